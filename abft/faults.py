@@ -1,0 +1,160 @@
+"""The fault hook: corrupt the product of a chosen call before its check, the way a compute fault
+inside the GEMM would, so tests and the evaluation exercise the path a real fault takes.
+
+    >>> with abft.inject(call_id=0, pattern="element", row=3, col=5, kind="bitflip", bit=30):
+    ...     c = abft.matmul(a, b)          # C[3, 5] has bit 30 flipped before the check
+
+Patterns: ``element`` (row, col), ``row``, ``column``, ``tile`` (bm x bn from row, col).
+Kinds: ``bitflip`` (bit of the stored dtype), ``value`` (set), ``add``, ``scale``, ``zero``.
+Choose the call by ``call_id`` and/or ``when(ctx)``, a predicate on a ``CallContext``
+(op, phase, labels, call_id, shape, attempt). ``batch`` indexes the product's leading dims.
+``times`` limits how many calls it corrupts (default 1; None: every matching call).
+By default the fault does not repeat on a recompute of the same call (a transient fault);
+``persistent=True`` makes it hit the recompute too.
+"""
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+PATTERNS = ("element", "row", "column", "tile")
+KINDS = ("bitflip", "value", "add", "scale", "zero")
+
+_INT_VIEW = {torch.float64: torch.int64, torch.float32: torch.int32,
+             torch.float16: torch.int16, torch.bfloat16: torch.int16}
+
+
+@dataclass
+class CallContext:
+    op: str
+    phase: str
+    labels: dict
+    call_id: int
+    shape: tuple
+    dtype: torch.dtype
+    attempt: int = 0
+
+    @property
+    def module(self):
+        return self.labels.get("module")
+
+
+@dataclass
+class Injection:
+    call_id: int = None
+    when: object = None
+    pattern: str = "element"
+    kind: str = "bitflip"
+    row: int = 0
+    col: int = 0
+    batch: tuple = ()
+    bit: int = None
+    value: float = 0.0
+    size: tuple = (16, 16)
+    times: object = 1
+    persistent: bool = False
+    hits: list = field(default_factory=list)
+
+    def matches(self, ctx):
+        if ctx.attempt > 0 and not self.persistent:
+            return False
+        if self.times is not None and len(self.hits) >= self.times and not (
+                ctx.attempt > 0 and self.persistent):
+            return False
+        if self.call_id is not None and ctx.call_id != self.call_id:
+            return False
+        return self.when is None or bool(self.when(ctx))
+
+    def index(self, c):
+        """The (row slice, col slice) this injection corrupts in a (M, N) matrix."""
+        m, n = c.shape[-2], c.shape[-1]
+        if self.pattern == "element":
+            return slice(self.row, self.row + 1), slice(self.col, self.col + 1)
+        if self.pattern == "row":
+            return slice(self.row, self.row + 1), slice(0, n)
+        if self.pattern == "column":
+            return slice(0, m), slice(self.col, self.col + 1)
+        return slice(self.row, self.row + self.size[0]), slice(self.col, self.col + self.size[1])
+
+    def apply(self, c, ctx):
+        """Corrupt ``c`` (..., M, N) in place."""
+        target = c[tuple(self.batch)] if self.batch else c
+        rs, cs = self.index(target)
+        view = target[..., rs, cs]
+        if view.numel() == 0:
+            raise IndexError(f"abft.inject: {self.pattern} at row {self.row}, col {self.col} is "
+                             f"outside the product of shape {tuple(c.shape)}")
+        with torch.no_grad():
+            if self.kind == "bitflip":
+                bits = view.view(_INT_VIEW[c.dtype])
+                width = torch.finfo(c.dtype).bits
+                if not 0 <= self.bit < width:
+                    raise ValueError(f"abft.inject: bit {self.bit} outside 0..{width - 1} for {c.dtype}")
+                mask = 1 << self.bit
+                if mask >= 1 << (width - 1):
+                    mask -= 1 << width          # the sign bit as a signed int
+                bits ^= mask
+            elif self.kind == "value":
+                view.fill_(self.value)
+            elif self.kind == "add":
+                view.add_(self.value)
+            elif self.kind == "scale":
+                view.mul_(self.value)
+            else:
+                view.zero_()
+        self.hits.append(ctx)
+
+
+_lock = threading.Lock()
+_active = []
+
+
+class inject:
+    """Context manager (or, with ``.start()``/``.stop()``, a handle) that installs an injection.
+    ``.hits`` lists the CallContext of every corrupted call."""
+
+    def __init__(self, call_id=None, when=None, *, pattern="element", kind="bitflip", row=0, col=0,
+                 batch=(), bit=None, value=0.0, size=(16, 16), times=1, persistent=False):
+        if pattern not in PATTERNS:
+            raise ValueError(f"abft.inject: pattern must be one of {PATTERNS}, got {pattern!r}")
+        if kind not in KINDS:
+            raise ValueError(f"abft.inject: kind must be one of {KINDS}, got {kind!r}")
+        if kind == "bitflip" and bit is None:
+            raise ValueError("abft.inject: kind='bitflip' needs bit=")
+        self.injection = Injection(call_id, when, pattern, kind, row, col, tuple(batch), bit,
+                                   value, tuple(size), times, persistent)
+
+    @property
+    def hits(self):
+        return self.injection.hits
+
+    def start(self):
+        with _lock:
+            _active.append(self.injection)
+        return self
+
+    def stop(self):
+        with _lock:
+            if self.injection in _active:
+                _active.remove(self.injection)
+
+    def __enter__(self):
+        return self.start()
+
+    def __exit__(self, *exc):
+        self.stop()
+        return False
+
+
+def active():
+    return bool(_active)
+
+
+def apply(c, ctx):
+    """Apply every installed injection that matches ``ctx`` to ``c``; returns how many did."""
+    n = 0
+    for inj in list(_active):
+        if inj.matches(ctx):
+            inj.apply(c, ctx)
+            n += 1
+    return n

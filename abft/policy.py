@@ -1,0 +1,177 @@
+"""What happens to a verdict: record | warn | raise | recompute | correct.
+
+Verdicts of ``record`` and ``warn`` calls are queued on their device and resolved lazily: by
+``abft.flush()``, ``abft.alarms()``, ``abft.stats()``, the end of an ``abft.config`` block, or when
+the queue holds ``max_pending`` calls or ``max_pending_bytes`` (so memory stays flat in long runs).
+Resolving moves one small tensor per queued call to the host in a single transfer, and the full
+verdict only for calls that alarmed. ``raise``, ``recompute`` and ``correct`` resolve at once.
+"""
+import collections
+import threading
+import time
+import warnings
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from abft import settings as _config
+from abft.alarms import Alarm, SilentCorruptionError, default_log
+from abft.kernels import layout as L
+
+
+@dataclass
+class Pending:
+    verdict: torch.Tensor
+    detail: tuple
+    summary: torch.Tensor     # [alarmed tiles, unverified tiles, tiles] on the device
+    info: dict
+    log: object
+    nbytes: int
+
+
+_lock = threading.RLock()
+_queue = collections.deque()
+_queue_bytes = 0
+_stats = collections.Counter()
+
+
+def summarize(verdict):
+    alarmed = ((verdict[..., L.ROW_RATIO] > 1) | (verdict[..., L.COL_RATIO] > 1)
+               | (verdict[..., L.STATUS] == L.NONFINITE))
+    unverified = verdict[..., L.STATUS] == L.UNVERIFIED
+    tiles = torch.tensor(float(verdict[..., 0].numel()), device=verdict.device)
+    return torch.stack([alarmed.sum().float(), unverified.sum().float(), tiles])
+
+
+def make_pending(verdict, detail, info, log):
+    nbytes = verdict.numel() * 4 + sum(d.numel() * d.element_size() for d in detail)
+    return Pending(verdict, detail, summarize(verdict), info, log, nbytes)
+
+
+def _count(summary):
+    alarmed, unverified, tiles = (float(x) for x in summary)
+    _stats["checked_calls"] += 1
+    _stats["tiles"] += int(tiles)
+    if unverified:
+        _stats["unverified_calls"] += 1
+        _stats["unverified_tiles"] += int(unverified)
+    return alarmed > 0
+
+
+def alarms_of(p, action):
+    """The Alarm records of a pending check whose summary says it alarmed."""
+    v = p.verdict.detach().float().cpu()
+    rr, rc = (d.detach().cpu() for d in p.detail)
+    info = p.info
+    bm, bn = info["bm"], info["bn"]
+    bad = ((v[..., L.ROW_RATIO] > 1) | (v[..., L.COL_RATIO] > 1) | (v[..., L.STATUS] == L.NONFINITE))
+    out = []
+    for idx in bad.nonzero().tolist():
+        *b, tp, tq = idx
+        rec = v[tuple(idx)]
+        nonfinite = rec[L.STATUS].item() == L.NONFINITE
+        rows = (torch.nonzero(rr[tuple(b)][tp * bm:(tp + 1) * bm, tq].abs() > 1).flatten() + tp * bm).tolist()
+        cols = (torch.nonzero(rc[tuple(b)][tp, tq * bn:(tq + 1) * bn].abs() > 1).flatten() + tq * bn).tolist()
+        row = int(rec[L.ROW].item()) if rec[L.ROW_FAILS] > 0 else None
+        col = int(rec[L.COL].item()) if rec[L.COL_FAILS] > 0 else None
+        batch = tuple(b)
+        flat = info.get("flat_rows")
+        if flat is not None and len(flat) > 1:
+            # Rows of a folded (..., T, K) operand: report (batch..., row).
+            unravel = lambda r: tuple(int(x) for x in np.unravel_index(r, flat))
+            if row is not None:
+                *bb, row = unravel(row)
+                batch = tuple(bb)
+            rows = [unravel(r)[-1] for r in rows]
+        out.append(Alarm(
+            op=info["op"], phase=info["phase"], module=info["labels"].get("module"),
+            step=info["labels"].get("step"), micro_step=info["labels"].get("micro_step"),
+            replica=info["labels"].get("replica"), rank=info["rank"], call_id=info["call_id"],
+            shapes=info["shapes"], dtype=info["dtype"], bm=bm, bn=bn, tile=tuple(idx), batch=batch,
+            row=row, col=col, residual=float(rec[L.RESIDUAL]), threshold=float(rec[L.THRESHOLD]),
+            backend=info["backend"], time=info["time"], kind="nonfinite" if nonfinite else "checksum",
+            rows=rows, cols=cols, action=action,
+            labels={k: v_ for k, v_ in info["labels"].items() if k not in
+                    ("module", "step", "micro_step", "replica")}))
+    return out
+
+
+def emit(alarms, log):
+    s = _config.get()
+    logs = [log] if log is not None else []
+    if log is not default_log():
+        logs.append(default_log())
+    for a in alarms:
+        _stats["alarms"] += 1
+        for lg in logs:
+            lg.append(a)
+        if a.action == "warned":
+            warnings.warn(str(a), RuntimeWarning, stacklevel=3)
+        if s.on_alarm is not None:
+            s.on_alarm(a)
+
+
+def enqueue(p):
+    global _queue_bytes
+    s = _config.get()
+    with _lock:
+        _queue.append(p)
+        _queue_bytes += p.nbytes
+        full = len(_queue) >= s.max_pending or _queue_bytes >= s.max_pending_bytes
+    if full:
+        flush()
+
+
+def flush():
+    """Resolve every queued verdict; returns the new alarms."""
+    global _queue_bytes
+    with _lock:
+        items = list(_queue)
+        _queue.clear()
+        _queue_bytes = 0
+    if not items:
+        return []
+    # One transfer per device for all the queued summaries.
+    by_device = collections.defaultdict(list)
+    for i, p in enumerate(items):
+        by_device[p.summary.device].append(i)
+    summaries = [None] * len(items)
+    for idxs in by_device.values():
+        for i, row in zip(idxs, torch.stack([items[i].summary for i in idxs]).cpu().tolist()):
+            summaries[i] = row
+    new = []
+    for p, summary in zip(items, summaries):
+        if _count(summary):
+            alarms = alarms_of(p, p.info["action"])
+            emit(alarms, p.log)
+            new.extend(alarms)
+    return new
+
+
+def resolve_now(p):
+    """Resolve one check at once (raise, recompute, correct); returns its alarms."""
+    if _count(p.summary.tolist()):
+        return alarms_of(p, None)
+    return []
+
+
+def pending():
+    return len(_queue)
+
+
+def stats():
+    flush()
+    return dict(_stats)
+
+
+def count(key, n=1):
+    _stats[key] += n
+
+
+def reset_stats():
+    _stats.clear()
+
+
+def now():
+    return time.time()

@@ -1,0 +1,86 @@
+"""Global settings: ``abft.config(...)`` sets them, and used as a context manager restores them."""
+import os
+from dataclasses import dataclass, fields, replace
+
+POLICIES = ("record", "warn", "raise", "recompute", "correct")
+BACKENDS = ("reference", "triton", "auto")
+
+
+@dataclass(frozen=True)
+class Settings:
+    enabled: bool = True
+    policy: str = "record"
+    backend: str = "reference"
+    sample_every: int = 1
+    tiles: tuple = (256, 256)          # (BM, BN) of the reference backend
+    log_path: str = None               # JSONL sink; may contain {rank}
+    on_alarm: object = None            # callable(Alarm)
+    max_pending: int = 256             # verdicts queued before they resolve themselves
+    max_pending_bytes: int = 64 << 20
+    lam: float = None                  # threshold multiplier override (None: abft.tolerance.LAMBDA)
+
+
+_settings = Settings(enabled=os.environ.get("ABFT_DISABLE", "") not in ("1", "true", "yes"))
+
+
+def get():
+    return _settings
+
+
+def _validate(s):
+    if s.policy not in POLICIES:
+        raise ValueError(f"abft.config: policy must be one of {POLICIES}, got {s.policy!r}")
+    if s.backend not in BACKENDS:
+        raise ValueError(f"abft.config: backend must be one of {BACKENDS}, got {s.backend!r}")
+    if s.backend == "triton":
+        raise NotImplementedError("abft.config: the triton backend is not built yet; use 'reference'")
+    if not (isinstance(s.sample_every, int) and s.sample_every >= 1):
+        raise ValueError(f"abft.config: sample_every must be an int >= 1, got {s.sample_every!r}")
+    bm, bn = s.tiles
+    if not (int(bm) >= 1 and int(bn) >= 1):
+        raise ValueError(f"abft.config: tiles must be two positive ints, got {s.tiles!r}")
+    if s.on_alarm is not None and not callable(s.on_alarm):
+        raise ValueError("abft.config: on_alarm must be callable")
+    if s.max_pending < 1 or s.max_pending_bytes < 1:
+        raise ValueError("abft.config: max_pending and max_pending_bytes must be positive")
+
+
+class config:
+    """Set abft's settings. ``abft.config(policy="raise")`` sets them for the process;
+    ``with abft.config(policy="raise"): ...`` sets them for the block and restores them after.
+
+    Keys: enabled, policy (record | warn | raise | recompute | correct), backend (reference;
+    triton and auto come with the kernel), sample_every, tiles=(BM, BN), log_path, on_alarm,
+    max_pending, max_pending_bytes, lam. The environment variable ABFT_DISABLE=1 starts the
+    process with enabled=False.
+    """
+
+    def __init__(self, **changes):
+        global _settings
+        names = {f.name for f in fields(Settings)}
+        unknown = set(changes) - names
+        if unknown:
+            raise TypeError(f"abft.config: unknown setting(s) {sorted(unknown)}; known: {sorted(names)}")
+        if "tiles" in changes:
+            changes["tiles"] = tuple(int(t) for t in changes["tiles"])
+        new = replace(_settings, **changes)
+        _validate(new)
+        self._previous = _settings
+        _settings = new
+        if "log_path" in changes:
+            from abft import alarms
+            alarms.default_log().set_path(new.log_path)
+
+    def __enter__(self):
+        return _settings
+
+    def __exit__(self, *exc):
+        global _settings
+        from abft import policy
+        policy.flush()
+        changed_path = self._previous.log_path != _settings.log_path
+        _settings = self._previous
+        if changed_path:
+            from abft import alarms
+            alarms.default_log().set_path(_settings.log_path)
+        return False

@@ -1,0 +1,32 @@
+"""The verdict layout: the contract between a backend and the policies.
+
+A backend returns, for a product with batch shape ``batch`` and tiles of BM rows x BN columns,
+a float32 tensor of shape ``(*batch, TM, TN, NFIELDS)`` on the product's device, one record
+per tile. Fields (indices into the last dimension):
+
+- ``ROW_RATIO``: the worst |residual| / threshold over the tile's row sums (one per row of
+  the tile, summed over the tile's BN columns);
+- ``ROW_FAILS``: how many of those row sums exceed their threshold;
+- ``ROW``: the global row index (in the product's second-last dimension) of the worst row sum,
+  or -1 when no row sum fails;
+- ``COL_RATIO``, ``COL_FAILS``, ``COL``: the same for the column sums (one per column of the
+  tile, summed over its BM rows);
+- ``RESIDUAL``: the signed residual of the worst failing column sum (of the worst row sum when
+  no column fails): the error estimate of a single corrupted element;
+- ``THRESHOLD``: the threshold of that sum;
+- ``STATUS``: ``OK``, ``UNVERIFIED`` (non-finite input, or magnitudes the threshold arithmetic
+  cannot hold) or ``NONFINITE`` (non-finite output from finite inputs: an alarm).
+
+A tile is alarmed when ``STATUS == NONFINITE`` or either ratio exceeds 1. Unverified tiles have
+their ratios set to 0 and never alarm.
+
+Indices are stored as float32, exact up to 2**24 rows or columns.
+"""
+
+ROW_RATIO, ROW_FAILS, ROW, COL_RATIO, COL_FAILS, COL, RESIDUAL, THRESHOLD, STATUS = range(9)
+NFIELDS = 9
+
+OK, UNVERIFIED, NONFINITE = 0.0, 1.0, 2.0
+
+FIELD_NAMES = ("row_ratio", "row_fails", "row", "col_ratio", "col_fails", "col",
+               "residual", "threshold", "status")

@@ -1,0 +1,20 @@
+from setuptools import setup
+
+version = {}
+with open("abft/_version.py") as f:
+    exec(f.read(), version)
+
+setup(
+    name="abft",
+    version=version["__version__"],
+    description="Checked GEMMs (Huang-Abraham checksums) against silent data corruption in training",
+    python_requires=">=3.10",
+    packages=["abft", "abft.kernels", "abft.eval"],
+    package_dir={"abft": "abft", "abft.kernels": "kernels", "abft.eval": "eval"},
+    install_requires=["torch>=2.4", "numpy"],
+    extras_require={
+        "triton": ["triton"],
+        "test": ["pytest", "pytest-benchmark", "hypothesis"],
+    },
+    entry_points={"console_scripts": ["abft=abft.cli:main"]},
+)
