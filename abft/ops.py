@@ -144,9 +144,8 @@ def _correctable(alarms):
 def _check(pb, ctx, s):
     bm, bn = s.tiles
     u = _units(pb.c.dtype, tf32=_tf32(pb.a))
-    kw = {} if s.lam is None else {"lam": s.lam}
     verdict, detail = reference.check(pb.a, pb.b, pb.c, bm=bm, bn=bn, units=u, alpha=pb.alpha,
-                                      addend=pb.addend, **kw)
+                                      addend=pb.addend, lam=s.lam)
     m, n = pb.c.shape[-2], pb.c.shape[-1]
     info = dict(op=pb.op, phase=ctx.phase, labels=ctx.labels, call_id=ctx.call_id,
                 rank=context.current_rank(),

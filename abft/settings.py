@@ -68,8 +68,8 @@ class config:
         self._previous = _settings
         _settings = new
         if "log_path" in changes:
-            from abft import alarms
-            alarms.default_log().set_path(new.log_path)
+            from abft.alarms import default_log
+            default_log().set_path(new.log_path)
 
     def __enter__(self):
         return _settings
@@ -81,6 +81,6 @@ class config:
         changed_path = self._previous.log_path != _settings.log_path
         _settings = self._previous
         if changed_path:
-            from abft import alarms
-            alarms.default_log().set_path(_settings.log_path)
+            from abft.alarms import default_log
+            default_log().set_path(_settings.log_path)
         return False

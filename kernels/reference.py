@@ -12,7 +12,7 @@ elementwise passes and reductions over A, B and C; no host synchronisation.
 """
 import torch
 
-from abft.tolerance import check_dtype, norm_bound, sum_threshold
+from abft.tolerance import SMALL_K, check_dtype, low_entropy, norm_bound, sum_threshold, worst_case
 from abft.kernels import layout as L
 
 __all__ = ["check", "block_sum"]
@@ -66,7 +66,8 @@ def _multiplicity(key1, key2, bs):
     return eq.sum(-1).amax(-1).clamp_min(1).to(key1.dtype)
 
 
-def _side(x, y, z, z2, x2, x_l1, x_inf, y_l1, y_inf, addend, alpha, bs, u):
+def _side(x, y, z, z2, z_abs, x2, x_l1, x_inf, y_l1, y_inf, x_low, y_low, addend, alpha, bs, u,
+          lam):
     """Checks of the sums of z = alpha x.y + addend over blocks of ``bs`` rows.
     Returns residuals and thresholds (..., T, S)."""
     k = x.shape[-1]
@@ -87,8 +88,23 @@ def _side(x, y, z, z2, x2, x_l1, x_inf, y_l1, y_inf, addend, alpha, bs, u):
     if alpha != 1:
         qbound = qbound * (alpha * alpha)
     nu = _multiplicity(x_l1, x_inf, bs).unsqueeze(-1)
-    thr = sum_threshold(u, k=k, bs=bs, sums=sums, sq_sums=block_sum(z2, -2, bs), pred=pred,
-                        qbound=qbound, nu=nu, addend_sq=addend_sq)
+    low = _block_max(x_low.to(x.dtype), bs).unsqueeze(-1).bool() & y_low.unsqueeze(-2)
+    # A corrupted C may overflow C^2 in the check dtype; a legitimate one cannot while the
+    # input-derived terms are finite (C_ij^2 <= K Q_ij), so clamping keeps huge errors visible.
+    big = torch.finfo(z.dtype).max
+    abs_sums = block_sum(z_abs, -2, bs).clamp(max=big)
+    sq_sums = block_sum(z2, -2, bs).clamp(max=big)
+    thr = sum_threshold(u, k=k, bs=bs, sums=sums, sq_sums=sq_sums, pred=pred,
+                        qbound=qbound, nu=nu, abs_sums=abs_sums, low_entropy=low,
+                        addend_sq=addend_sq,
+                        **({} if lam is None else {"lam": lam}))
+    if k <= SMALL_K:
+        t = block_sum(x.abs(), -2, bs) @ y.abs()
+        if alpha != 1:
+            t = t * abs(alpha)
+        abs_add = None if addend is None else block_sum(addend.abs(), -2, bs, r_len)
+        thr = torch.minimum(thr, worst_case(u, k=k, bs=bs, t=t, abs_sums=abs_sums,
+                                            abs_addend=abs_add))
     return res, thr, sums
 
 
@@ -103,7 +119,7 @@ def _tile_fields(ratio, res, thr, offset_block):
     return worst, fails, where, res.gather(-1, pick).squeeze(-1), thr.gather(-1, pick).squeeze(-1)
 
 
-def check(a, b, c, *, bm, bn, units, alpha=1.0, addend=None):
+def check(a, b, c, *, bm, bn, units, alpha=1.0, addend=None, lam=None, return_sums=False):
     """Verify ``c == alpha * a @ b + addend`` tile by tile.
 
     Args:
@@ -114,6 +130,9 @@ def check(a, b, c, *, bm, bn, units, alpha=1.0, addend=None):
         units: ``abft.tolerance.Units`` of the product.
         alpha: the product's scale (addmm, baddbmm).
         addend: tensor broadcastable to ``c`` (already scaled by beta), or None.
+        lam: threshold multiplier (None: ``abft.tolerance.LAMBDA``).
+        return_sums: also return a dict of the residuals and thresholds of every sum
+            (``res_col``, ``thr_col`` (..., TM, N), ``res_row``, ``thr_row`` (..., M, TN)).
 
     Returns:
         verdict: float32 (..., TM, TN, NFIELDS) in ``layout``'s format.
@@ -134,13 +153,15 @@ def check(a, b, c, *, bm, bn, units, alpha=1.0, addend=None):
             addend = addend.to(cd)
             while addend.dim() < c.dim():
                 addend = addend.unsqueeze(0)
-        a2, b2, c2 = a.square(), b.square(), cw.square()
+        a2, b2, c2, c_abs = a.square(), b.square(), cw.square(), cw.abs()
         a_l1, a_inf = a2.sum(-1), _amax(a2, -1)
         b_l1, b_inf = b2.sum(-2), _amax(b2, -2)
-        res_c, thr_c, sums_c = _side(a, b, cw, c2, a2, a_l1, a_inf, b_l1, b_inf,
-                                     addend, alpha, bm, units)
-        res_r, thr_r, sums_r = _side(b.mT, a.mT, cw.mT, c2.mT, b2.mT, b_l1, b_inf, a_l1, a_inf,
-                                     None if addend is None else addend.mT, alpha, bn, units)
+        a_low, b_low = low_entropy(a), low_entropy(b.mT)
+        res_c, thr_c, sums_c = _side(a, b, cw, c2, c_abs, a2, a_l1, a_inf, b_l1, b_inf, a_low, b_low,
+                                     addend, alpha, bm, units, lam)
+        res_r, thr_r, sums_r = _side(b.mT, a.mT, cw.mT, c2.mT, c_abs.mT, b2.mT, b_l1, b_inf, a_l1, a_inf,
+                                     b_low, a_low, None if addend is None else addend.mT,
+                                     alpha, bn, units, lam)
         # (..., TN, M) -> (..., M, TN)
         res_r, thr_r, sums_r = res_r.mT, thr_r.mT, sums_r.mT
 
@@ -166,9 +187,12 @@ def check(a, b, c, *, bm, bn, units, alpha=1.0, addend=None):
         status = torch.where(inputs_ok & c_bad & ~may_overflow, L.NONFINITE, status)
         ok = (status == L.OK).unsqueeze(-1)
 
-        zero = res_c.new_zeros(())
-        rc = torch.where(ok, col_view(torch.nan_to_num(res_c / thr_c, 0.0, 0.0, 0.0), 0.0), zero)
-        rr = torch.where(ok, row_view(torch.nan_to_num(res_r / thr_r, 0.0, 0.0, 0.0), 0.0), zero)
+        # Ratios: 0 in unverified tiles; a non-finite sum in a NONFINITE tile counts as failing
+        # (inf), so the sums locate the non-finite element too.
+        zero, inf = res_c.new_zeros(()), float("inf")
+        keep = ok | (status == L.NONFINITE).unsqueeze(-1)
+        rc = torch.where(keep, col_view(torch.nan_to_num(res_c / thr_c, inf, inf, inf), 0.0), zero)
+        rr = torch.where(keep, row_view(torch.nan_to_num(res_r / thr_r, inf, inf, inf), 0.0), zero)
         q_off = torch.arange(tn, device=c.device, dtype=rc.dtype) * bn
         p_off = (torch.arange(tm, device=c.device, dtype=rc.dtype) * bm).unsqueeze(-1)
         cw_, cf, cidx, cres, cthr = _tile_fields(rc, col_view(res_c, 0.0).expand_as(rc),
@@ -180,6 +204,8 @@ def check(a, b, c, *, bm, bn, units, alpha=1.0, addend=None):
                                torch.where(use_col, cres, rres), torch.where(use_col, cthr, rthr),
                                status], -1).float()
         detail = (_unblock_rows(rr, m), _unblock_cols(rc, n))
+    if return_sums:
+        return verdict, detail, dict(res_col=res_c, thr_col=thr_c, res_row=res_r, thr_row=thr_r)
     return verdict, detail
 
 

@@ -1,0 +1,150 @@
+"""abft's ops return torch's values bit for bit, keep torch's errors, and check every product."""
+import pytest
+import torch
+import torch.nn.functional as F
+
+import abft
+
+DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16]
+DT = lambda d: str(d).replace("torch.", "")
+
+MATMUL_SHAPES = [
+    ((7,), (7,)), ((5, 7), (7,)), ((7,), (7, 3)), ((5, 123), (123, 123)),
+    ((2, 5, 7), (7, 3)), ((7,), (2, 7, 3)), ((2, 1, 5, 7), (3, 7, 4)), ((3, 5, 7), (3, 7, 2)),
+    ((4, 33, 17), (17,)),
+]
+
+
+def _clean():
+    new = abft.flush()
+    assert new == [], [str(a) for a in new]
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT)
+@pytest.mark.parametrize("sa,sb", MATMUL_SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_matmul_bit_identical(sa, sb, dtype):
+    a, b = torch.randn(sa).to(dtype), torch.randn(sb).to(dtype)
+    out = abft.matmul(a, b)
+    ref = torch.matmul(a, b)
+    assert out.shape == ref.shape and out.dtype == ref.dtype
+    assert torch.equal(out, ref)
+    _clean()
+    assert abft.stats()["checked_calls"] == 1
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=DT)
+def test_other_ops_bit_identical(dtype):
+    r = lambda *s: torch.randn(*s).to(dtype)
+    a, b, bias = r(37, 19), r(19, 29), r(29)
+    assert torch.equal(abft.mm(a, b), torch.mm(a, b))
+    x, y = r(3, 11, 13), r(3, 13, 5)
+    assert torch.equal(abft.bmm(x, y), torch.bmm(x, y))
+    for beta, alpha in ((1, 1), (0.5, 2.0), (0, 1.5)):
+        inp = r(37, 29)
+        assert torch.equal(abft.addmm(inp, a, b, beta=beta, alpha=alpha),
+                           torch.addmm(inp, a, b, beta=beta, alpha=alpha))
+        assert torch.equal(abft.addmm(bias, a, b, beta=beta, alpha=alpha),
+                           torch.addmm(bias, a, b, beta=beta, alpha=alpha))
+        inp3 = r(3, 11, 5)
+        assert torch.equal(abft.baddbmm(inp3, x, y, beta=beta, alpha=alpha),
+                           torch.baddbmm(inp3, x, y, beta=beta, alpha=alpha))
+    w, xl = r(29, 19), r(2, 6, 19)
+    assert torch.equal(abft.linear(xl, w, bias), F.linear(xl, w, bias))
+    assert torch.equal(abft.linear(xl, w), F.linear(xl, w))
+    v = r(19)
+    assert torch.equal(abft.linear(v, w, bias), F.linear(v, w, bias))
+    _clean()
+
+
+def test_transposed_and_strided_views():
+    a = torch.randn(40, 30)
+    b = torch.randn(50, 30)
+    assert torch.equal(abft.matmul(a, b.t()), a @ b.t())
+    q = torch.randn(40, 80)[:, ::2]
+    assert torch.equal(abft.matmul(a.t()[::2], q), a.t()[::2] @ q)
+    x = torch.randn(5, 8, 30).transpose(0, 1)          # not viewable as (40, 30)
+    assert torch.equal(abft.linear(x, b), F.linear(x, b))
+    _clean()
+
+
+@pytest.mark.parametrize("fn,args", [
+    (torch.matmul, (torch.randn(3, 4), torch.randn(5, 6))),
+    (torch.matmul, (torch.randn(3), torch.randn(4))),
+    (torch.mm, (torch.randn(3, 4), torch.randn(4))),
+    (torch.bmm, (torch.randn(2, 3, 4), torch.randn(3, 4, 5))),
+    (torch.matmul, (torch.randn(3, 4), torch.randn(4, 5, dtype=torch.float64))),
+    (torch.matmul, (torch.randn(2, 3, 4), torch.randn(3, 4, 5))),
+])
+def test_bad_input_raises_like_torch(fn, args):
+    with pytest.raises(Exception) as theirs:
+        fn(*args)
+    with pytest.raises(type(theirs.value)):
+        getattr(abft, fn.__name__)(*args)
+
+
+@pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.complex64])
+def test_unsupported_dtypes_get_a_clear_error(dtype):
+    a = torch.ones(3, 4, dtype=dtype)
+    with pytest.raises(TypeError, match="float32, float16, bfloat16 and float64"):
+        abft.matmul(a, a.t())
+
+
+@pytest.mark.parametrize("sa,sb", [((0, 5), (5, 3)), ((4, 5), (5, 0)), ((4, 0), (0, 3)), ((2, 0, 3), (3, 4))])
+def test_zero_size(sa, sb):
+    a, b = torch.randn(sa), torch.randn(sb)
+    assert torch.equal(abft.matmul(a, b), torch.matmul(a, b))
+    _clean()
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_nonfinite_input_is_unverified_not_an_alarm(bad):
+    a, b = torch.randn(64, 32), torch.randn(32, 48)
+    a[5, 7] = bad
+    out = abft.matmul(a, b)
+    assert torch.equal(out, a @ b, ) or torch.isnan(out).any()
+    _clean()
+    s = abft.stats()
+    assert s["unverified_calls"] == 1 and s["unverified_tiles"] >= 1
+
+
+def test_nonfinite_output_from_finite_input_is_an_alarm():
+    a, b = torch.randn(64, 32), torch.randn(32, 48)
+    with abft.inject(kind="value", value=float("inf"), row=10, col=20):
+        abft.matmul(a, b)
+    (alarm,) = abft.flush()
+    assert alarm.kind == "nonfinite"
+
+
+def test_fp16_overflow_is_unverified():
+    a = torch.full((8, 64), 200.0, dtype=torch.float16)
+    b = torch.full((64, 8), 200.0, dtype=torch.float16)
+    assert torch.isinf(abft.matmul(a, b)).all()
+    _clean()
+    assert abft.stats()["unverified_calls"] == 1
+
+
+def test_disabled_is_plain_torch():
+    a = torch.ones(3, 4, dtype=torch.int64)
+    with abft.config(enabled=False):
+        assert torch.equal(abft.matmul(a, a.t()), a @ a.t())       # no dtype check either
+        abft.matmul(torch.randn(3, 4), torch.randn(4, 2))
+    assert abft.stats().get("checked_calls", 0) == 0
+
+
+def test_env_kill_switch():
+    import subprocess, sys
+    code = ("import torch, abft; abft.matmul(torch.randn(4, 4), torch.randn(4, 4)); "
+            "print(abft.stats().get('checked_calls', 0))")
+    out = subprocess.run([sys.executable, "-c", code], env={**__import__("os").environ, "ABFT_DISABLE": "1"},
+                         capture_output=True, text=True, check=True).stdout.strip()
+    assert out == "0"
+
+
+def test_tiles_from_config_are_recorded():
+    a, b = torch.randn(100, 40), torch.randn(40, 90)
+    with abft.config(tiles=(32, 16)):
+        with abft.inject(row=70, col=50, kind="add", value=10.0):
+            abft.matmul(a, b)
+        (alarm,) = abft.flush()
+    assert (alarm.bm, alarm.bn, alarm.tile) == (32, 16, (2, 3))
+    assert (alarm.row, alarm.col) == (70, 50)

@@ -1,0 +1,170 @@
+"""Policies, sampling, the bounded queue, labels, logs and callbacks."""
+import json
+import warnings
+
+import pytest
+import torch
+
+import abft
+from abft import policy
+
+
+def _pair(m=64, k=32, n=48):
+    return torch.randn(m, k), torch.randn(k, n)
+
+
+def test_record_is_lazy_until_flush():
+    a, b = _pair()
+    with abft.inject(row=1, col=2, kind="add", value=9.0):
+        abft.matmul(a, b)
+    from abft.alarms import default_log
+    assert policy.pending() == 1 and len(default_log()) == 0
+    (al,) = abft.flush()
+    assert al.action == "recorded" and policy.pending() == 0
+    assert list(abft.alarms()) == [al]
+
+
+def test_warn_warns_on_resolve():
+    a, b = _pair()
+    with abft.config(policy="warn"):
+        with abft.inject(row=1, col=2, kind="add", value=9.0):
+            abft.matmul(a, b)
+        with pytest.warns(RuntimeWarning, match="row 1, col 2"):
+            abft.flush()
+
+
+def test_raise_carries_the_alarm():
+    a, b = _pair()
+    with abft.config(policy="raise"):
+        with abft.inject(row=3, col=4, kind="add", value=9.0):
+            with pytest.raises(abft.SilentCorruptionError) as e:
+                abft.matmul(a, b)
+    assert (e.value.alarm.row, e.value.alarm.col, e.value.alarm.action) == (3, 4, "raised")
+
+
+def test_recompute_transient_returns_the_clean_result():
+    a, b = _pair()
+    with abft.config(policy="recompute"):
+        with abft.inject(row=3, col=4, kind="add", value=9.0):
+            out = abft.matmul(a, b)
+    assert torch.equal(out, a @ b)
+    (al,) = abft.alarms()
+    assert (al.action, al.persistence) == ("recomputed", "transient")
+
+
+def test_recompute_persistent_raises():
+    a, b = _pair()
+    with abft.config(policy="recompute"):
+        with abft.inject(row=3, col=4, kind="add", value=9.0, persistent=True):
+            with pytest.raises(abft.SilentCorruptionError) as e:
+                abft.matmul(a, b)
+    assert e.value.alarm.persistence == "persistent"
+    assert [a.persistence for a in abft.alarms()] == ["persistent", "persistent"]
+
+
+def test_correct_fixes_a_single_element():
+    a, b = _pair()
+    ref = a @ b
+    with abft.config(policy="correct"):
+        with abft.inject(row=10, col=20, kind="bitflip", bit=29):
+            out = abft.matmul(a, b)
+    assert (out - ref).abs().max() < 1e-3
+    (al,) = abft.alarms()
+    assert al.action == "corrected"
+
+
+def test_correct_recomputes_several_elements():
+    a, b = _pair()
+    with abft.config(policy="correct"):
+        with abft.inject(pattern="row", row=10, kind="add", value=3.0):
+            out = abft.matmul(a, b)
+    assert torch.equal(out, a @ b)
+    assert {al.action for al in abft.alarms()} == {"recomputed"}
+
+
+def test_sample_every_checks_one_call_in_n_per_site():
+    a, b = _pair(8, 8, 8)
+    with abft.config(sample_every=3):
+        for _ in range(9):
+            abft.matmul(a, b)
+        for _ in range(2):
+            abft.matmul(a, b)               # another call site: its own counter
+    s = abft.stats()
+    assert s["checked_calls"] == 3 + 1 and s["sampled_out_calls"] == 6 + 1
+
+
+def test_queue_is_bounded():
+    a, b = _pair(8, 8, 8)
+    with abft.config(max_pending=4):
+        for i in range(10):
+            abft.matmul(a, b)
+            assert policy.pending() < 4
+    assert abft.stats()["checked_calls"] == 10
+
+
+def test_queue_bounded_by_bytes():
+    a, b = _pair(64, 8, 64)
+    with abft.config(max_pending_bytes=1):
+        abft.matmul(a, b)
+        assert policy.pending() == 0
+
+
+def test_jsonl_sink_and_callback(tmp_path):
+    seen = []
+    path = tmp_path / "alarms-{rank}.jsonl"
+    a, b = _pair()
+    with abft.config(log_path=str(path), on_alarm=seen.append):
+        with abft.scope(step=7, micro_step=1, replica="F", module="mlp.fc1"):
+            with abft.inject(row=5, col=6, kind="add", value=9.0):
+                abft.matmul(a, b)
+            abft.flush()
+    lines = (tmp_path / "alarms-0.jsonl").read_text().splitlines()
+    assert len(lines) == 1 and len(seen) == 1
+    rec = json.loads(lines[0])
+    assert (rec["step"], rec["micro_step"], rec["replica"], rec["module"], rec["row"], rec["col"]) == \
+        (7, 1, "F", "mlp.fc1", 5, 6)
+    assert rec["bm"] == 64 and rec["bn"] == 48 and rec["dtype"] == "float32"
+
+
+def test_scopes_nest_count_calls_and_keep_their_own_log():
+    a, b = _pair(16, 16, 16)
+    logs = {r: abft.AlarmLog() for r in ("H", "F")}
+    for r in ("H", "F"):
+        with abft.scope(replica=r, step=2, log=logs[r]):
+            with abft.scope(module="blk0"):
+                for i in range(3):
+                    inj = abft.inject(call_id=1, kind="add", value=7.0, row=0, col=0) if r == "F" else None
+                    if inj:
+                        inj.start()
+                    abft.matmul(a, b)
+                    if inj:
+                        inj.stop()
+    abft.flush()
+    assert len(logs["H"]) == 0
+    (al,) = logs["F"]
+    assert (al.replica, al.step, al.module, al.call_id) == ("F", 2, "blk0", 1)
+    assert list(abft.alarms()) == [al]           # the process log sees every alarm
+
+
+def test_config_validates_and_restores():
+    with pytest.raises(ValueError, match="policy"):
+        abft.config(policy="ignore")
+    with pytest.raises(TypeError, match="unknown"):
+        abft.config(polcy="raise")
+    with pytest.raises(ValueError, match="sample_every"):
+        abft.config(sample_every=0)
+    with abft.config(policy="raise", tiles=(8, 8)) as s:
+        assert s.policy == "raise" and s.tiles == (8, 8)
+    from abft import settings
+    assert settings.get().policy == "record"
+
+
+def test_alarm_text_says_where():
+    a, b = _pair()
+    with abft.scope(step=3, module="lm_head"):
+        with abft.inject(row=1, col=2, kind="add", value=9.0):
+            abft.matmul(a, b)
+    (al,) = abft.flush()
+    text = str(al)
+    for part in ("lm_head", "step 3", "row 1, col 2", "matmul/forward"):
+        assert part in text
