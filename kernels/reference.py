@@ -10,6 +10,9 @@ Checks run in float32 (float64 for float64 operands); ``abft.tolerance`` gives t
 Cost beyond the product: two GEMMs of (M/BM) x K x N and M x K x (N/BN), and a fixed number of
 elementwise passes and reductions over A, B and C; no host synchronisation.
 """
+import math
+import threading
+
 import torch
 
 from abft.tolerance import SMALL_K, check_dtype, low_entropy, norm_bound, sum_threshold, worst_case
@@ -58,54 +61,132 @@ def _amax(x, dim):
     return x.amax(dim)
 
 
-def _multiplicity(key1, key2, bs):
-    """Largest number of rows with equal keys in each block of ``bs`` rows: (..., R) -> (..., T)."""
-    k1 = _pad_blocks(key1, -1, bs, float("nan"))
-    k2 = _pad_blocks(key2, -1, bs, float("nan"))
-    eq = (k1.unsqueeze(-1) == k1.unsqueeze(-2)) & (k2.unsqueeze(-1) == k2.unsqueeze(-2))
-    return eq.sum(-1).amax(-1).clamp_min(1).to(key1.dtype)
+def _multiplicity(key, bs):
+    """Largest number of rows with equal keys (their sums of squares) in each block of ``bs``
+    rows: (..., R) -> (..., T). Equal rows have equal keys; unequal rows with equal keys only
+    make the threshold larger."""
+    kb = _pad_blocks(key, -1, bs, float("nan"))
+    return (kb.unsqueeze(-1) == kb.unsqueeze(-2)).sum(-1).amax(-1).clamp_min(1).to(key.dtype)
 
 
-def _side(x, y, z, z2, z_abs, x2, x_l1, x_inf, y_l1, y_inf, x_low, y_low, addend, alpha, bs, u,
-          lam):
-    """Checks of the sums of z = alpha x.y + addend over blocks of ``bs`` rows.
-    Returns residuals and thresholds (..., T, S)."""
-    k = x.shape[-1]
-    r_len = z.shape[-2]
-    s = block_sum(x, -2, bs)
-    pred = s @ y
+_CHUNK = 1 << 19          # elements per chunk on the CPU: 2 MiB of float32, about one L2 (1 MiB a core here)
+_local = threading.local()
+
+
+def _workspace(shape, dtype, device, slot):
+    """A reusable buffer: fresh full-size temporaries cost page faults on every call."""
+    n = math.prod(shape)
+    key = (slot, dtype, device)
+    pool = getattr(_local, "pool", None)
+    if pool is None:
+        pool = _local.pool = {}
+    buf = pool.get(key)
+    if buf is None or buf.numel() < n:
+        buf = pool[key] = torch.empty(max(n, 1), dtype=dtype, device=device)
+    return buf[:n].view(shape)
+
+
+def _rows_per_chunk(x, bs, width):
+    if x.device.type != "cpu":
+        return x.shape[-2]
+    batch = math.prod(x.shape[:-2])
+    return bs * max(1, _CHUNK // max(1, bs * width * batch))
+
+
+def operand_stats(x, bs, cd):
+    """One pass over x (..., R, K) in chunks: block sums s (..., T, K) and block sums of squares
+    alpha (..., T, K) over blocks of ``bs`` rows, and per row the sum l1 and max inf of x^2."""
+    *batch, r, k = x.shape
+    t = -(-r // bs)
+    s = torch.empty(*batch, t, k, dtype=cd, device=x.device)
+    alpha = torch.empty_like(s)
+    l1 = torch.empty(*batch, r, dtype=cd, device=x.device)
+    inf = torch.empty_like(l1)
+    if k == 0:
+        for z in (s, alpha, l1, inf):
+            z.zero_()
+        return s, alpha, l1, inf
+    if x.stride(-2) == 1 and x.stride(-1) != 1 and r > 1:
+        # Column-major (B of a row-major K x N, seen as N x K): chunk along K instead.
+        step = max(1, _CHUNK // max(1, r * math.prod(batch)))
+        l1.zero_()
+        inf.zero_()
+        for k0 in range(0, k, step):
+            xt = x[..., :, k0:k0 + step].mT.to(cd)                # (..., kk, R), row-major
+            sq = torch.mul(xt, xt, out=_workspace(xt.shape, cd, x.device, 0))
+            s[..., k0:k0 + step] = block_sum(xt, -1, bs).mT
+            alpha[..., k0:k0 + step] = block_sum(sq, -1, bs).mT
+            l1 += sq.sum(-2)
+            torch.maximum(inf, _amax(sq, -2), out=inf)
+        return s, alpha, l1, inf
+    step = _rows_per_chunk(x, bs, k)
+    for r0 in range(0, r, step):
+        xr = x[..., r0:r0 + step, :].to(cd)
+        t0 = r0 // bs
+        sq = torch.mul(xr, xr, out=_workspace(xr.shape, cd, x.device, 0))
+        s[..., t0:t0 + -(-xr.shape[-2] // bs), :] = block_sum(xr, -2, bs)
+        alpha[..., t0:t0 + -(-xr.shape[-2] // bs), :] = block_sum(sq, -2, bs)
+        l1[..., r0:r0 + step] = sq.sum(-1)
+        inf[..., r0:r0 + step] = _amax(sq, -1)
+    return s, alpha, l1, inf
+
+
+def output_stats(c, bm, bn, cd, need_abs):
+    """One pass over c (..., M, N) in chunks of row blocks: for column sums (..., TM, N) and row
+    sums (..., M, TN) the sums of c, of c^2 and (if ``need_abs``) of |c|."""
+    *batch, m, n = c.shape
+    tm, tn = -(-m // bm), -(-n // bn)
+    col = [torch.empty(*batch, tm, n, dtype=cd, device=c.device) for _ in range(3 if need_abs else 2)]
+    row = [torch.empty(*batch, m, tn, dtype=cd, device=c.device) for _ in range(3 if need_abs else 2)]
+    step = _rows_per_chunk(c, bm, n)
+    for r0 in range(0, m, step):
+        cr = c[..., r0:r0 + step, :].to(cd)
+        t0, t1 = r0 // bm, r0 // bm + -(-cr.shape[-2] // bm)
+        parts = [cr, torch.mul(cr, cr, out=_workspace(cr.shape, cd, c.device, 1))]
+        if need_abs:
+            parts.append(torch.abs(cr, out=_workspace(cr.shape, cd, c.device, 2)))
+        for z, cz, rz in zip(parts, col, row):
+            cz[..., t0:t1, :] = block_sum(z, -2, bm)
+            rz[..., r0:r0 + step, :] = block_sum(z, -1, bn)
+    return col, row
+
+
+def _side(x, y, xst, yst, x_low, y_low, out_sums, pred, addend, alpha, bs, u, lam, k, r_len):
+    """Residuals and thresholds (..., T, S) of the sums of z = alpha x.y + addend over blocks of
+    ``bs`` rows of x, from the operand statistics ``xst`` (rows of x) and ``yst`` (columns of y)."""
+    s, xalpha, x_l1, _ = xst
+    _, _, y_l1, y_inf = yst
+    sums, sq_sums = out_sums[0], out_sums[1]
     if alpha != 1:
         pred = pred * alpha
-    sums = block_sum(z, -2, bs)
     res = sums - pred
     addend_sq = None
     if addend is not None:
         res = res - block_sum(addend, -2, bs, r_len)
         addend_sq = block_sum(addend.square(), -2, bs, r_len)
-    xs = block_sum(x2, -2, bs) + s.square()
+    xs = xalpha + s.square()
     qbound = norm_bound(xs.sum(-1, keepdim=True), _amax(xs, -1).unsqueeze(-1),
                         y_l1.unsqueeze(-2), y_inf.unsqueeze(-2))
     if alpha != 1:
         qbound = qbound * (alpha * alpha)
-    nu = _multiplicity(x_l1, x_inf, bs).unsqueeze(-1)
-    low = _block_max(x_low.to(x.dtype), bs).unsqueeze(-1).bool() & y_low.unsqueeze(-2)
+    nu = _multiplicity(x_l1, bs).unsqueeze(-1)
+    low = _block_max(x_low.to(s.dtype), bs).unsqueeze(-1).bool() & y_low.unsqueeze(-2)
     # A corrupted C may overflow C^2 in the check dtype; a legitimate one cannot while the
     # input-derived terms are finite (C_ij^2 <= K Q_ij), so clamping keeps huge errors visible.
-    big = torch.finfo(z.dtype).max
-    abs_sums = block_sum(z_abs, -2, bs).clamp(max=big)
-    sq_sums = block_sum(z2, -2, bs).clamp(max=big)
+    big = torch.finfo(s.dtype).max
+    sq_sums = sq_sums.clamp(max=big)
+    abs_sums = out_sums[2].clamp(max=big) if len(out_sums) > 2 else (bs * sq_sums).sqrt()
     thr = sum_threshold(u, k=k, bs=bs, sums=sums, sq_sums=sq_sums, pred=pred,
                         qbound=qbound, nu=nu, abs_sums=abs_sums, low_entropy=low,
-                        addend_sq=addend_sq,
-                        **({} if lam is None else {"lam": lam}))
+                        addend_sq=addend_sq, **({} if lam is None else {"lam": lam}))
     if k <= SMALL_K:
-        t = block_sum(x.abs(), -2, bs) @ y.abs()
+        t = block_sum(x.abs().to(s.dtype), -2, bs) @ y.abs().to(s.dtype)
         if alpha != 1:
             t = t * abs(alpha)
         abs_add = None if addend is None else block_sum(addend.abs(), -2, bs, r_len)
         thr = torch.minimum(thr, worst_case(u, k=k, bs=bs, t=t, abs_sums=abs_sums,
                                             abs_addend=abs_add))
-    return res, thr, sums
+    return res, thr
 
 
 def _tile_fields(ratio, res, thr, offset_block):
@@ -147,27 +228,35 @@ def check(a, b, c, *, bm, bn, units, alpha=1.0, addend=None, lam=None, return_su
         v = torch.zeros(*batch, tm, tn, L.NFIELDS, dtype=torch.float32, device=c.device)
         return v, (torch.zeros(*batch, m, tn, device=c.device), torch.zeros(*batch, tm, n, device=c.device))
     cd = check_dtype(c.dtype)
+    k = a.shape[-1]
     with torch.no_grad():
-        a, b, cw = a.to(cd), b.to(cd), c.to(cd)
         if addend is not None:
             addend = addend.to(cd)
             while addend.dim() < c.dim():
                 addend = addend.unsqueeze(0)
-        a2, b2, c2, c_abs = a.square(), b.square(), cw.square(), cw.abs()
-        a_l1, a_inf = a2.sum(-1), _amax(a2, -1)
-        b_l1, b_inf = b2.sum(-2), _amax(b2, -2)
+        # Statistics of the rows of A and of the columns of B (the rows of B^T), one pass each.
+        ast = operand_stats(a, bm, cd)
+        bst = operand_stats(b.mT, bn, cd)
+        a_l1, b_l1 = ast[2], bst[2]
+        need_abs = bool(units.out) or k <= SMALL_K
+        col_sums, row_sums = output_stats(c, bm, bn, cd, need_abs)
+        # The predicted sums: two thin GEMMs, (TM x K)(K x N) and (M x K)(K x TN).
+        ac, bc = a.to(cd), b.to(cd)
+        pred_col = ast[0] @ bc
+        pred_row = (ac @ bst[0].mT).mT
         a_low, b_low = low_entropy(a), low_entropy(b.mT)
-        res_c, thr_c, sums_c = _side(a, b, cw, c2, c_abs, a2, a_l1, a_inf, b_l1, b_inf, a_low, b_low,
-                                     addend, alpha, bm, units, lam)
-        res_r, thr_r, sums_r = _side(b.mT, a.mT, cw.mT, c2.mT, c_abs.mT, b2.mT, b_l1, b_inf, a_l1, a_inf,
-                                     b_low, a_low, None if addend is None else addend.mT,
-                                     alpha, bn, units, lam)
+        res_c, thr_c = _side(ac, bc, ast, bst, a_low, b_low, col_sums, pred_col,
+                             addend, alpha, bm, units, lam, k, m)
+        res_r, thr_r = _side(bc.mT, ac.mT, bst, ast, b_low, a_low, [z.mT for z in row_sums],
+                             pred_row, None if addend is None else addend.mT, alpha, bn, units,
+                             lam, k, n)
         # (..., TN, M) -> (..., M, TN)
-        res_r, thr_r, sums_r = res_r.mT, thr_r.mT, sums_r.mT
+        res_r, thr_r = res_r.mT, thr_r.mT
+        sums_c, sums_r = col_sums[0], row_sums[0]
 
         # Status per tile: inputs finite, output finite, thresholds representable.
-        inputs_ok = (_block_finite(a_inf, bm).unsqueeze(-1)
-                     & _block_finite(b_inf, bn).unsqueeze(-2)).expand(*batch, tm, tn)
+        inputs_ok = (_block_finite(a_l1, bm).unsqueeze(-1)
+                     & _block_finite(b_l1, bn).unsqueeze(-2)).expand(*batch, tm, tn)
         peak = (_block_max(a_l1, bm).sqrt().unsqueeze(-1)
                 * _block_max(b_l1, bn).sqrt().unsqueeze(-2) * abs(alpha))
         if addend is not None:

@@ -1,0 +1,31 @@
+# Each target installs what it needs into a local virtual environment first.
+# CPU machines get torch and triton pinned by constraints.txt; a user with their own torch can
+# `pip install -e .[test]` into their environment instead.
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test bench report-tightness clean
+
+$(STAMP): setup.py constraints.txt
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -c constraints.txt torch triton
+	$(BIN)/pip install --quiet -c constraints.txt -e '.[test]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(BIN)/abft demo
+
+test: $(STAMP)
+	$(BIN)/python -m pytest -q tests --benchmark-disable
+
+bench: $(STAMP)
+	$(BIN)/abft bench
+
+report-tightness: $(STAMP)
+	$(BIN)/python tests/stress.py --report
+
+clean:
+	rm -rf $(VENV) *.egg-info .pytest_cache .benchmarks

@@ -1,0 +1,87 @@
+"""Overhead of checked against plain products, measured as interleaved pairs (what ``abft bench``
+and tests/bench share). Timings on a shared CPU drift by 20% between runs, so each repetition
+times the plain and the checked call back to back (in alternating order) and the ratio of the
+pair is the sample; we report the median ratio and its interquartile range."""
+import statistics
+import time
+
+import torch
+import torch.nn.functional as F
+
+DEFAULT_SHAPES = "512x512x512,1024x1024x1024,2048x2048x2048,4096x4096x4096,linear:4096x1024x4096"
+
+
+def parse_shapes(text):
+    """'MxKxN,...' or 'linear:TxINxOUT' -> list of (kind, m, k, n)."""
+    out = []
+    for item in text.split(","):
+        kind, _, dims = item.rpartition(":")
+        m, k, n = (int(x) for x in dims.lower().split("x"))
+        out.append((kind or "matmul", m, k, n))
+    return out
+
+
+def make_pair(kind, m, k, n, dtype=torch.float32, device="cpu"):
+    """(plain, checked) zero-argument callables for one shape."""
+    import abft
+    g = torch.Generator(device="cpu").manual_seed(0)
+    x = torch.randn(m, k, generator=g).to(dtype=dtype, device=device)
+    if kind == "linear":
+        w = torch.randn(n, k, generator=g).to(dtype=dtype, device=device)
+        bias = torch.randn(n, generator=g).to(dtype=dtype, device=device)
+        return (lambda: F.linear(x, w, bias)), (lambda: abft.linear(x, w, bias))
+    b = torch.randn(k, n, generator=g).to(dtype=dtype, device=device)
+    return (lambda: torch.matmul(x, b)), (lambda: abft.matmul(x, b))
+
+
+def _time(fn, sync):
+    t = time.perf_counter()
+    fn()
+    sync()
+    return time.perf_counter() - t
+
+
+def interleaved(plain, checked, reps, sync=lambda: None):
+    """Median and quartiles of checked/plain over ``reps`` back-to-back pairs."""
+    import abft
+    for _ in range(2):
+        plain(), checked()
+    abft.flush()
+    ratios, tp, tc = [], [], []
+    for i in range(reps):
+        if i % 2:
+            c = _time(checked, sync)
+            p = _time(plain, sync)
+        else:
+            p = _time(plain, sync)
+            c = _time(checked, sync)
+        abft.flush()
+        ratios.append(c / p)
+        tp.append(p)
+        tc.append(c)
+    q = statistics.quantiles(ratios, n=4) if len(ratios) >= 2 else [ratios[0]] * 3
+    return dict(ratio=statistics.median(ratios), q1=q[0], q3=q[2],
+                plain_ms=statistics.median(tp) * 1e3, checked_ms=statistics.median(tc) * 1e3)
+
+
+def add_arguments(ap):
+    ap.add_argument("--shapes", default=DEFAULT_SHAPES,
+                    help="comma-separated MxKxN or linear:TOKENSxINxOUT (default: %(default)s)")
+    ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16", "float64"])
+    ap.add_argument("--device", default="cpu")
+    ap.add_argument("--reps", type=int, default=0, help="pairs per shape (0: by size)")
+
+
+def main(args):
+    dtype = getattr(torch, args.dtype)
+    sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
+    print(f"| shape | plain ms | checked ms | checked / plain (median) | IQR |")
+    print("|---|---|---|---|---|")
+    for kind, m, k, n in parse_shapes(args.shapes):
+        plain, checked = make_pair(kind, m, k, n, dtype, args.device)
+        reps = args.reps or max(5, min(41, int(4e10 / (2 * m * k * n))))
+        r = interleaved(plain, checked, reps, sync)
+        name = f"{kind} {m}x{k}x{n}"
+        print(f"| {name} | {r['plain_ms']:.1f} | {r['checked_ms']:.1f} | {r['ratio']:.3f} | "
+              f"{r['q1']:.3f}-{r['q3']:.3f} |", flush=True)
+    return 0

@@ -1,0 +1,31 @@
+import subprocess
+import sys
+
+import abft
+from abft import cli
+from abft.eval import overhead
+
+
+def test_version():
+    out = subprocess.run([sys.executable, "-m", "abft.cli", "--version"], capture_output=True,
+                         text=True, check=True).stdout
+    assert out.strip() == f"abft {abft.__version__}"
+
+
+def test_demo_locates_the_fault(capsys):
+    assert cli.main(["demo", "--size", "96", "--bit", "24"]) == 0
+    out = capsys.readouterr().out
+    assert "located at the injected element: True" in out and "bit-identical to torch.matmul: True" in out
+
+
+def test_bench_runs_on_small_shapes(capsys):
+    assert cli.main(["bench", "--shapes", "64x32x48,linear:16x8x4", "--reps", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "matmul 64x32x48" in out and "linear 16x8x4" in out
+
+
+def test_interleaved_reports_a_ratio():
+    plain, checked = overhead.make_pair("matmul", 32, 32, 32)
+    r = overhead.interleaved(plain, checked, 5)
+    assert r["q1"] <= r["ratio"] <= r["q3"] and r["ratio"] > 0
+    assert overhead.parse_shapes("4x5x6,linear:1x2x3") == [("matmul", 4, 5, 6), ("linear", 1, 2, 3)]
