@@ -1,6 +1,7 @@
 """Gates of the threshold on the stress set: no false alarm, every threshold at most the
 deterministic worst-case bound of its sum, every error above that bound detected and located."""
 import os
+import zlib
 
 import pytest
 import torch
@@ -59,7 +60,7 @@ def test_threshold_within_worst_case_bound(case):
 @pytest.mark.parametrize("case", CASES, ids=ID)
 def test_error_above_worst_case_bound_detected_and_located(case):
     dist, m, k, n, dt = case
-    g = torch.Generator().manual_seed(hash(ID(case)) % 2 ** 31)
+    g = torch.Generator().manual_seed(zlib.crc32(ID(case).encode()))
     bm = bn = 32
     for _ in range(3):
         i, j = int(torch.randint(m, (1,), generator=g)), int(torch.randint(n, (1,), generator=g))
@@ -69,8 +70,11 @@ def test_error_above_worst_case_bound_detected_and_located(case):
         w_col, w_row = worst_case_bounds(a, b, c, bm, bn)
         w = max(w_col[i // bm, j].item(), w_row[i, j // bn].item())
         before = c[i, j].double().item()
-        if abs(before + sign * 4 * w) > torch.finfo(dt).max / 2:
+        big = torch.finfo(dt).max / 2
+        if abs(before + sign * 4 * w) > big:
             sign = -sign        # keep the corrupted value representable
+        if abs(before + sign * 4 * w) > big:
+            continue            # no error above the bound is representable here (fp16)
         c[i, j] = before + sign * 2 * w
         moved = abs(c[i, j].double().item() - before)
         if moved <= w:          # rounding of the stored dtype swallowed it: push harder
