@@ -13,7 +13,11 @@ from abft.alarms import Alarm, AlarmLog, SilentCorruptionError
 from abft.settings import config
 from abft.context import scope
 from abft.faults import inject
-from abft.ops import addmm, baddbmm, bmm, linear, matmul, mm
+from abft.autograd import addmm, baddbmm, bmm, linear, matmul, mm
+from abft import nn
+from abft.nn import protect, unprotect
+from abft.mode import checked
+from abft import coverage as _coverage
 from abft import policy as _policy
 from abft.alarms import default_log as _default_log
 
@@ -34,13 +38,21 @@ def stats():
     return _policy.stats()
 
 
+def coverage():
+    """Per op and module: checked, sampled-out and unverified calls, and the GEMM-like ops seen
+    that nothing checked (``unprotected``: SDPA, convolutions, einsum forms that are not products)."""
+    _policy.flush()
+    return _coverage.report()
+
+
 def reset():
     """Resolve pending verdicts, then clear the alarm log and the counters."""
     _policy.flush()
     _default_log().clear()
     _policy.reset_stats()
+    _coverage.reset()
 
 
 __all__ = ["matmul", "mm", "bmm", "addmm", "baddbmm", "linear", "scope", "config", "inject",
-           "flush", "alarms", "stats", "reset", "Alarm", "AlarmLog", "SilentCorruptionError",
+           "flush", "alarms", "stats", "coverage", "reset", "protect", "unprotect", "checked", "nn", "Alarm", "AlarmLog", "SilentCorruptionError",
            "__version__"]

@@ -5,6 +5,7 @@ are torch's), then checks it through the backend, under the current ``abft.scope
 ``abft.config`` policy. With the kill switch (``enabled=False`` or ``ABFT_DISABLE=1``) each op is
 the plain torch call.
 """
+import os
 import sys
 import threading
 
@@ -12,13 +13,25 @@ import torch
 import torch.nn.functional as F
 
 from abft import settings as _config
-from abft import context, faults, policy
+from abft import context, coverage, faults, policy
 from abft.alarms import SilentCorruptionError
 from abft.kernels import reference
 from abft.tolerance import units as _units
 from abft.kernels import layout as L
 
 SUPPORTED = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+
+
+def _plain(fn):
+    """Run an abft op with torch-function handling off: its own torch calls are not to be
+    intercepted again (``abft.checked``) or slowed down by it."""
+    import functools
+
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        with torch._C.DisableTorchFunction():
+            return fn(*args, **kwargs)
+    return wrapper
 
 _sites = {}
 _sites_lock = threading.Lock()
@@ -58,30 +71,46 @@ def _tf32(t):
     return torch.get_float32_matmul_precision() != "highest"
 
 
+_SKIP = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(torch.__file__)))
+
+
+def _call_site():
+    """(file, line) of the first frame outside abft and torch: the user's call site."""
+    f = sys._getframe(2)
+    while f is not None and f.f_code.co_filename.startswith(_SKIP):
+        f = f.f_back
+    return (f.f_code.co_filename, f.f_lineno) if f is not None else None
+
+
 def _sample(op, phase, labels, depth):
     s = _config.get()
     if s.sample_every == 1:
         return True
-    f = sys._getframe(depth)
-    key = (op, phase, labels.get("module"), f.f_code.co_filename, f.f_lineno)
+    key = (op, phase, labels.get("module"), _call_site())
     with _sites_lock:
         n = _sites.get(key, 0)
         _sites[key] = n + 1
     return n % s.sample_every == 0
 
 
-def run_checked(pb, recompute, *, phase="forward", depth=3):
+def run_checked(pb, recompute, *, phase="forward", module=None, depth=3):
     """Check ``pb`` under the current policy; ``recompute()`` returns a fresh Problem.
-    Returns the result tensor to hand to the caller (pb.c's base, possibly recomputed)."""
+    Returns None, or the recomputed Problem whose result replaces the caller's."""
     s = _config.get()
     sc = context.current()
     labels = dict(sc.labels)
+    if module:
+        labels["module"] = module
     if labels.get("phase"):
         phase = labels["phase"]
+    elif phase == "forward" and torch._C._current_graph_task_id() != -1:
+        phase = "recompute"          # a forward run inside backward: activation checkpointing
     call_id = sc.next_call_id()
     if not _sample(pb.op, phase, labels, depth):
         policy.count("sampled_out_calls")
+        coverage.count(pb.op, labels.get("module"), "sampled_out")
         return None
+    coverage.count(pb.op, labels.get("module"), "checked")
     ctx = faults.CallContext(pb.op, phase, labels, call_id, tuple(pb.c.shape), pb.c.dtype)
     if faults.active():
         faults.apply(pb.c, ctx)
@@ -144,8 +173,10 @@ def _correctable(alarms):
 def _check(pb, ctx, s):
     bm, bn = s.tiles
     u = _units(pb.c.dtype, tf32=_tf32(pb.a))
+    b_stats = getattr(pb, "b_stats", None)
     verdict, detail = reference.check(pb.a, pb.b, pb.c, bm=bm, bn=bn, units=u, alpha=pb.alpha,
-                                      addend=pb.addend, lam=s.lam)
+                                      addend=pb.addend, lam=s.lam,
+                                      b_stats=None if b_stats is None else b_stats(bn))
     m, n = pb.c.shape[-2], pb.c.shape[-1]
     info = dict(op=pb.op, phase=ctx.phase, labels=ctx.labels, call_id=ctx.call_id,
                 rank=context.current_rank(),
@@ -155,10 +186,10 @@ def _check(pb, ctx, s):
     return policy.make_pending(verdict, detail, info, context.current().log)
 
 
-def _finish(op, out, make, phase="forward"):
+def _finish(op, out, make, phase="forward", module=None):
     """Shared tail of every op: check ``make(out)`` and return the (possibly recomputed) result."""
     pb = make(out)
-    fresh = run_checked(pb, lambda: make(pb.recompute()), phase=phase, depth=4)
+    fresh = run_checked(pb, lambda: make(pb.recompute()), phase=phase, module=module, depth=5)
     return out if fresh is None else fresh.result
 
 
@@ -166,56 +197,52 @@ def _enabled():
     return _config.get().enabled
 
 
-def matmul(a, b):
-    """Checked ``torch.matmul(a, b)``: 1-D, 2-D, batched and broadcast operands.
-
-    Args:
-        a: (..., M, K) or (K,).
-        b: (..., K, N) or (K,).
-    Returns:
-        torch.matmul(a, b), bit for bit (reference backend), checked tile by tile.
-    """
+@_plain
+def matmul(a, b, *, op="matmul", phase="forward", module=None):
+    """Checked ``torch.matmul(a, b)`` without autograd (``abft.matmul`` adds it)."""
     out = torch.matmul(a, b)
     if not _enabled():
         return out
-    _require_float("matmul", a, b)
-    return _finish("matmul", out, lambda o: _matmul_problem(a, b, o))
+    _require_float(op, a, b)
+    return _finish(op, out, lambda o: _matmul_problem(a, b, o, op), phase, module)
 
 
-def _matmul_problem(a, b, out):
+def _matmul_problem(a, b, out, op="matmul"):
     if a.dim() == 1 and b.dim() == 1:
-        pb = Problem("matmul", a.unsqueeze(0), b.unsqueeze(-1), out.view(1, 1))
+        pb = Problem(op, a.unsqueeze(0), b.unsqueeze(-1), out.view(1, 1))
     elif b.dim() == 1:
         a2, c2, flat = _fold(a, out.unsqueeze(-1))
-        pb = Problem("matmul", a2, b.unsqueeze(-1), c2, flat_rows=flat)
+        pb = Problem(op, a2, b.unsqueeze(-1), c2, flat_rows=flat)
     elif a.dim() == 1:
-        pb = Problem("matmul", a.unsqueeze(0), b, out.unsqueeze(-2))
+        pb = Problem(op, a.unsqueeze(0), b, out.unsqueeze(-2))
     elif b.dim() == 2:
         a2, c2, flat = _fold(a, out)
-        pb = Problem("matmul", a2, b, c2, flat_rows=flat)
+        pb = Problem(op, a2, b, c2, flat_rows=flat)
     else:
-        pb = Problem("matmul", a, b, out)
+        pb = Problem(op, a, b, out)
     pb.result = out
     pb.recompute = lambda: torch.matmul(a, b)
     return pb
 
 
-def mm(a, b):
+@_plain
+def mm(a, b, *, op="mm", phase="forward", module=None):
     """Checked ``torch.mm``: (M, K) @ (K, N)."""
     out = torch.mm(a, b)
     if not _enabled():
         return out
-    _require_float("mm", a, b)
-    return _finish("mm", out, lambda o: _simple("mm", a, b, o, lambda: torch.mm(a, b)))
+    _require_float(op, a, b)
+    return _finish(op, out, lambda o: _simple(op, a, b, o, lambda: torch.mm(a, b)), phase, module)
 
 
-def bmm(a, b):
+@_plain
+def bmm(a, b, *, op="bmm", phase="forward", module=None):
     """Checked ``torch.bmm``: (B, M, K) @ (B, K, N)."""
     out = torch.bmm(a, b)
     if not _enabled():
         return out
-    _require_float("bmm", a, b)
-    return _finish("bmm", out, lambda o: _simple("bmm", a, b, o, lambda: torch.bmm(a, b)))
+    _require_float(op, a, b)
+    return _finish(op, out, lambda o: _simple(op, a, b, o, lambda: torch.bmm(a, b)), phase, module)
 
 
 def _simple(op, a, b, out, again, alpha=1.0, addend=None):
@@ -224,7 +251,8 @@ def _simple(op, a, b, out, again, alpha=1.0, addend=None):
     return pb
 
 
-def addmm(input, mat1, mat2, *, beta=1, alpha=1):
+@_plain
+def addmm(input, mat1, mat2, *, beta=1, alpha=1, module=None):
     """Checked ``torch.addmm``: beta * input + alpha * (mat1 @ mat2)."""
     out = torch.addmm(input, mat1, mat2, beta=beta, alpha=alpha)
     if not _enabled():
@@ -233,10 +261,11 @@ def addmm(input, mat1, mat2, *, beta=1, alpha=1):
     addend = None if beta == 0 else (input if beta == 1 else input * beta)
     return _finish("addmm", out, lambda o: _simple(
         "addmm", mat1, mat2, o, lambda: torch.addmm(input, mat1, mat2, beta=beta, alpha=alpha),
-        alpha=float(alpha), addend=addend))
+        alpha=float(alpha), addend=addend), module=module)
 
 
-def baddbmm(input, batch1, batch2, *, beta=1, alpha=1):
+@_plain
+def baddbmm(input, batch1, batch2, *, beta=1, alpha=1, module=None):
     """Checked ``torch.baddbmm``: beta * input + alpha * (batch1 @ batch2)."""
     out = torch.baddbmm(input, batch1, batch2, beta=beta, alpha=alpha)
     if not _enabled():
@@ -246,23 +275,41 @@ def baddbmm(input, batch1, batch2, *, beta=1, alpha=1):
     return _finish("baddbmm", out, lambda o: _simple(
         "baddbmm", batch1, batch2, o,
         lambda: torch.baddbmm(input, batch1, batch2, beta=beta, alpha=alpha),
-        alpha=float(alpha), addend=addend))
+        alpha=float(alpha), addend=addend), module=module)
 
 
-def linear(input, weight, bias=None):
+@_plain
+def linear(input, weight, bias=None, *, module=None, weight_stats=None):
     """Checked ``F.linear``: input (..., in) @ weight.T (out, in) + bias (out,)."""
     out = F.linear(input, weight, bias)
     if not _enabled():
         return out
     _require_float("linear", input, weight, *(() if bias is None else (bias,)))
-    return _finish("linear", out, lambda o: _linear_problem(input, weight, bias, o))
+    return _finish("linear", out, lambda o: _linear_problem(input, weight, bias, o, weight_stats),
+                   module=module)
 
 
-def _linear_problem(x, w, bias, out):
+def _linear_problem(x, w, bias, out, weight_stats=None):
     if x.dim() == 1:
         a, c, flat = x.unsqueeze(0), out.unsqueeze(0), None
     else:
         a, c, flat = _fold(x, out)
     pb = Problem("linear", a, w.t(), c, addend=bias, flat_rows=flat)
+    pb.b_stats = weight_stats
     pb.result, pb.recompute = out, lambda: F.linear(x, w, bias)
     return pb
+
+
+@_plain
+def check_views(op, a, b, c, *, module=None, phase="forward"):
+    """Check an already computed product c (..., M, N) == a (..., M, K) @ b (..., K, N), given as
+    views (einsum): no recompute is possible, so a recompute policy raises on an alarm."""
+    if not _enabled():
+        return
+    _require_float(op, a, b)
+
+    def again():
+        raise RuntimeError(f"abft: {op} cannot be recomputed here")
+    pb = Problem(op, a, b, c)
+    pb.result, pb.recompute = c, again
+    run_checked(pb, lambda: again(), phase=phase, module=module, depth=4)

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from abft import coverage
 from abft import settings as _config
 from abft.alarms import Alarm, SilentCorruptionError, default_log
 from abft.kernels import layout as L
@@ -49,13 +50,14 @@ def make_pending(verdict, detail, info, log):
     return Pending(verdict, detail, summarize(verdict), info, log, nbytes)
 
 
-def _count(summary):
+def _count(summary, info):
     alarmed, unverified, tiles = (float(x) for x in summary)
     _stats["checked_calls"] += 1
     _stats["tiles"] += int(tiles)
     if unverified:
         _stats["unverified_calls"] += 1
         _stats["unverified_tiles"] += int(unverified)
+        coverage.count(info["op"], info["labels"].get("module"), "unverified")
     return alarmed > 0
 
 
@@ -142,7 +144,7 @@ def flush():
             summaries[i] = row
     new = []
     for p, summary in zip(items, summaries):
-        if _count(summary):
+        if _count(summary, p.info):
             alarms = alarms_of(p, p.info["action"])
             emit(alarms, p.log)
             new.extend(alarms)
@@ -151,7 +153,7 @@ def flush():
 
 def resolve_now(p):
     """Resolve one check at once (raise, recompute, correct); returns its alarms."""
-    if _count(p.summary.tolist()):
+    if _count(p.summary.tolist(), p.info):
         return alarms_of(p, None)
     return []
 

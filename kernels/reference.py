@@ -200,7 +200,8 @@ def _tile_fields(ratio, res, thr, offset_block):
     return worst, fails, where, res.gather(-1, pick).squeeze(-1), thr.gather(-1, pick).squeeze(-1)
 
 
-def check(a, b, c, *, bm, bn, units, alpha=1.0, addend=None, lam=None, return_sums=False):
+def check(a, b, c, *, bm, bn, units, alpha=1.0, addend=None, lam=None, return_sums=False,
+          b_stats=None):
     """Verify ``c == alpha * a @ b + addend`` tile by tile.
 
     Args:
@@ -212,6 +213,9 @@ def check(a, b, c, *, bm, bn, units, alpha=1.0, addend=None, lam=None, return_su
         alpha: the product's scale (addmm, baddbmm).
         addend: tensor broadcastable to ``c`` (already scaled by beta), or None.
         lam: threshold multiplier (None: ``abft.tolerance.LAMBDA``).
+        b_stats: ``(operand_stats(b.mT, bn), low_entropy(b.mT))`` kept from an earlier call
+            (a weight that has not changed): skips a pass over B, and makes a change of B at
+            rest show as a failing row check.
         return_sums: also return a dict of the residuals and thresholds of every sum
             (``res_col``, ``thr_col`` (..., TM, N), ``res_row``, ``thr_row`` (..., M, TN)).
 
@@ -236,7 +240,10 @@ def check(a, b, c, *, bm, bn, units, alpha=1.0, addend=None, lam=None, return_su
                 addend = addend.unsqueeze(0)
         # Statistics of the rows of A and of the columns of B (the rows of B^T), one pass each.
         ast = operand_stats(a, bm, cd)
-        bst = operand_stats(b.mT, bn, cd)
+        if b_stats is None:
+            bst, b_low = operand_stats(b.mT, bn, cd), low_entropy(b.mT)
+        else:
+            bst, b_low = b_stats
         a_l1, b_l1 = ast[2], bst[2]
         need_abs = bool(units.out) or k <= SMALL_K
         col_sums, row_sums = output_stats(c, bm, bn, cd, need_abs)
@@ -244,7 +251,7 @@ def check(a, b, c, *, bm, bn, units, alpha=1.0, addend=None, lam=None, return_su
         ac, bc = a.to(cd), b.to(cd)
         pred_col = ast[0] @ bc
         pred_row = (ac @ bst[0].mT).mT
-        a_low, b_low = low_entropy(a), low_entropy(b.mT)
+        a_low = low_entropy(a)
         res_c, thr_c = _side(ac, bc, ast, bst, a_low, b_low, col_sums, pred_col,
                              addend, alpha, bm, units, lam, k, m)
         res_r, thr_r = _side(bc.mT, ac.mT, bst, ast, b_low, a_low, [z.mT for z in row_sums],

@@ -1,0 +1,188 @@
+"""``with abft.checked():`` check the products of unmodified code.
+
+A TorchFunctionMode that routes ``torch.matmul``, ``Tensor.matmul``/``@``, ``torch.mm``,
+``torch.bmm``, ``torch.addmm``, ``torch.baddbmm``, ``F.linear`` and ``torch.einsum`` (where it is a
+plain product: one contracted index, at most one free index per operand) through abft. Module
+labels come from forward hooks it installs (qualified names when ``model`` is given, class names
+otherwise). ``F.scaled_dot_product_attention`` is computed as its math decomposition with both
+products checked when ``sdpa=True``; otherwise it is counted as unprotected, as are convolutions
+and einsum forms that are not products (``abft.coverage()``).
+
+Torch-function modes are off inside autograd's backward; the backward products are checked because
+abft's own ops compute them. einsum is checked in the forward only (torch computes its gradients).
+"""
+import math
+import threading
+
+import torch
+import torch.nn.functional as F
+from torch.overrides import TorchFunctionMode
+
+from abft import autograd, coverage, ops
+
+_local = threading.local()
+
+
+def _stack():
+    st = getattr(_local, "modules", None)
+    if st is None:
+        st = _local.modules = []
+    return st
+
+
+def current_module():
+    st = _stack()
+    return st[-1] if st else None
+
+
+def _einsum_product(eq, a, b):
+    """(permute_a, permute_b, out_order) when ``eq`` is a plain batched product, else None."""
+    eq = eq.replace(" ", "")
+    if "->" not in eq or "." in eq:
+        return None
+    ins, out = eq.split("->")
+    parts = ins.split(",")
+    if len(parts) != 2:
+        return None
+    x, y = parts
+    if len(set(x)) != len(x) or len(set(y)) != len(y) or len(set(out)) != len(out):
+        return None
+    contracted = [c for c in x if c in y and c not in out]
+    batch = [c for c in out if c in x and c in y]
+    free_x = [c for c in x if c not in y]
+    free_y = [c for c in y if c not in x]
+    if len(contracted) != 1 or len(free_x) > 1 or len(free_y) > 1:
+        return None
+    if set(out) != set(batch + free_x + free_y) or any(c not in out for c in free_x + free_y):
+        return None
+    k = contracted[0]
+    order_x = batch + free_x + [k]
+    order_y = batch + [k] + free_y
+    prod_order = batch + free_x + free_y
+    return ([x.index(c) for c in order_x], [y.index(c) for c in order_y],
+            [prod_order.index(c) for c in out], bool(free_x), bool(free_y))
+
+
+def einsum(eq, a, b, module=None):
+    """``torch.einsum`` of a plain product, checked in the forward (values are torch's)."""
+    plan = _einsum_product(eq, a, b)
+    out = torch.einsum(eq, a, b)
+    if plan is None or not ops._enabled():
+        coverage.unprotected("einsum", module)
+        return out
+    pa, pb_, po, has_i, has_j = plan
+    a2, b2 = a.permute(pa), b.permute(pb_)
+    if not has_i:
+        a2 = a2.unsqueeze(-2)
+    if not has_j:
+        b2 = b2.unsqueeze(-1)
+    # out permuted into (batch..., i, j) order, with the missing free dims restored
+    c2 = out.permute([po.index(i) for i in range(len(po))]) if po else out
+    if not has_j:
+        c2 = c2.unsqueeze(-1)
+    if not has_i:
+        c2 = c2.unsqueeze(-2)
+    with torch._C.DisableTorchFunction():
+        ops.check_views("einsum", a2.detach(), b2.detach(), c2.detach(), module=module)
+    return out
+
+
+def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
+         enable_gqa=False, module=None):
+    """``F.scaled_dot_product_attention`` as its math decomposition, both products checked."""
+    if enable_gqa and key.shape[-3] != query.shape[-3]:
+        rep = query.shape[-3] // key.shape[-3]
+        key, value = key.repeat_interleave(rep, -3), value.repeat_interleave(rep, -3)
+    s = 1.0 / math.sqrt(query.shape[-1]) if scale is None else scale
+    scores = autograd.matmul(query, key.transpose(-2, -1), module=module) * s
+    if is_causal:
+        L, S = query.shape[-2], key.shape[-2]
+        causal = torch.ones(L, S, dtype=torch.bool, device=query.device).tril()
+        scores = scores.masked_fill(~causal, float("-inf"))
+    if attn_mask is not None:
+        scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool \
+            else scores + attn_mask
+    p = torch.softmax(scores, -1)
+    if dropout_p > 0:
+        p = F.dropout(p, dropout_p)
+    return autograd.matmul(p, value, module=module)
+
+
+_UNPROTECTED = {F.conv1d: "conv1d", F.conv2d: "conv2d", F.conv3d: "conv3d",
+                F.conv_transpose1d: "conv_transpose1d", F.conv_transpose2d: "conv_transpose2d",
+                torch.conv1d: "conv1d", torch.conv2d: "conv2d", torch.tensordot: "tensordot"}
+
+
+class checked(TorchFunctionMode):
+    """Check every product of the code inside the block.
+
+    Args:
+        model: optional root module: alarms are labelled with qualified module names.
+        sdpa: compute ``F.scaled_dot_product_attention`` as checked products (math decomposition;
+            values then differ from the fused kernel's by round-off).
+    """
+
+    def __init__(self, model=None, *, sdpa=False):
+        super().__init__()
+        self.names = {id(m): n or type(m).__name__ for n, m in model.named_modules()} if model is not None else None
+        self.sdpa = sdpa
+        self._hooks = []
+
+    def _name(self, mod):
+        if self.names is not None:
+            return self.names.get(id(mod), type(mod).__name__)
+        return type(mod).__name__
+
+    def __enter__(self):
+        pre = torch.nn.modules.module.register_module_forward_pre_hook(
+            lambda mod, args: _stack().append(self._name(mod)))
+        post = torch.nn.modules.module.register_module_forward_hook(
+            lambda mod, args, out: _stack().pop() if _stack() else None)
+        self._hooks = [pre, post]
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        return super().__exit__(*exc)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        mod = current_module()
+        if func in _PRODUCTS:
+            return _PRODUCTS[func](mod, *args, **kwargs)
+        if func is torch.einsum:
+            operands = args[1:] if len(args) > 2 else (args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:])
+            if len(operands) == 2 and not kwargs:
+                return einsum(args[0], operands[0], operands[1], module=mod)
+            coverage.unprotected("einsum", mod)
+        elif func is F.scaled_dot_product_attention:
+            if self.sdpa:
+                return sdpa(*args, **kwargs, module=mod)
+            coverage.unprotected("scaled_dot_product_attention", mod)
+        elif func in _UNPROTECTED:
+            coverage.unprotected(_UNPROTECTED[func], mod)
+        return func(*args, **kwargs)
+
+
+def _ab(fn):
+    return lambda mod, a, b, **kw: fn(a, b, module=mod)
+
+
+def _addlike(fn):
+    def h(mod, input, m1, m2, *, beta=1, alpha=1, **kw):
+        return fn(input, m1, m2, beta=beta, alpha=alpha, module=mod)
+    return h
+
+
+_PRODUCTS = {
+    torch.matmul: _ab(autograd.matmul), torch.Tensor.matmul: _ab(autograd.matmul),
+    torch.Tensor.__matmul__: _ab(autograd.matmul),
+    torch.Tensor.__rmatmul__: lambda mod, a, b, **kw: autograd.matmul(b, a, module=mod),
+    torch.mm: _ab(autograd.mm), torch.Tensor.mm: _ab(autograd.mm),
+    torch.bmm: _ab(autograd.bmm), torch.Tensor.bmm: _ab(autograd.bmm),
+    torch.addmm: _addlike(autograd.addmm), torch.Tensor.addmm: _addlike(autograd.addmm),
+    torch.baddbmm: _addlike(autograd.baddbmm), torch.Tensor.baddbmm: _addlike(autograd.baddbmm),
+    F.linear: lambda mod, x, w, b=None, **kw: autograd.linear(x, w, b, module=mod),
+}
