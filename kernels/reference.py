@@ -36,6 +36,8 @@ def block_sum(x, dim, bs, n=None):
         return x * _counts(n, bs, x.dim() + dim, x)
     size = x.shape[dim]
     nf, r = divmod(size, bs)
+    if r == 0:
+        return x.unflatten(dim, (nf, bs)).sum(dim)
     parts = []
     if nf:
         parts.append(x.narrow(dim, 0, nf * bs).unflatten(dim, (nf, bs)).sum(dim))
