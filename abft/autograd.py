@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 from torch.library import custom_op
 
-from abft import ops
+from abft import decompose, ops
 
 
 def _product(kind, a, b, op, phase, module):
@@ -96,11 +96,9 @@ def _scale(t, s):
 
 
 def _mm_grads(ctx, grad, a, b, op, names):
-    ga = gb = None
-    if ctx.needs_input_grad[names[0]]:
-        ga = _g("mm", grad, b.t(), op, "grad_input" if op in ("addmm",) else "grad_a", ctx.module)
-    if ctx.needs_input_grad[names[1]]:
-        gb = _g("mm", a.t(), grad, op, "grad_weight" if op in ("addmm",) else "grad_b", ctx.module)
+    pa, pb = ("grad_input", "grad_weight") if op == "addmm" else ("grad_a", "grad_b")
+    ga = _mm_mat1_backward(grad, b, a, op, pa, ctx.module) if ctx.needs_input_grad[names[0]] else None
+    gb = _mm_mat2_backward(grad, a, b, op, pb, ctx.module) if ctx.needs_input_grad[names[1]] else None
     return ga, gb
 
 
@@ -120,70 +118,114 @@ addmm_op.register_autograd(_addmm_backward, setup_context=_addmm_setup)
 # -- matmul, mm, bmm, baddbmm --------------------------------------------------------------------
 
 @custom_op("abft::matmul", mutates_args=())
-def matmul_op(a: Tensor, b: Tensor, module: str) -> Tensor:
-    return ops.matmul(a, b, module=module or None)
+def matmul_op(a: Tensor, b: Tensor, a_rg: bool, b_rg: bool, module: str) -> Tensor:
+    return ops.matmul(a, b, module=module or None, a_rg=a_rg, b_rg=b_rg)
 
 
 @matmul_op.register_fake
-def _(a, b, module):
+def _(a, b, a_rg, b_rg, module):
     return torch.matmul(a, b)
 
 
-def _ab_setup(ctx, inputs, output):
-    a, b = inputs[0], inputs[1]
+def _matmul_setup(ctx, inputs, output):
+    a, b, a_rg, b_rg, module = inputs
     ctx.save_for_backward(a, b)
-    ctx.module = inputs[-1]
+    ctx.flags, ctx.module = (a_rg, b_rg), module
+
+
+def _colmajor(t):
+    return t.stride(0) == 1 and t.stride(1) == t.shape[0]
+
+
+def _mm_mat1_backward(grad, mat2, mat1, op, phase, m):
+    """torch's mm_mat1_backward: the gradient of mat1 in mm(mat1, mat2)."""
+    if _colmajor(mat1):
+        return _g("mm", mat2, grad.t(), op, phase, m).t()
+    return _g("mm", grad, mat2.t(), op, phase, m)
+
+
+def _mm_mat2_backward(grad, mat1, mat2, op, phase, m):
+    """torch's mm_mat2_backward: the gradient of mat2 in mm(mat1, mat2)."""
+    if _colmajor(mat2):
+        return _g("mm", grad.t(), mat1, op, phase, m).t()
+    return _g("mm", mat1.t(), grad, op, phase, m)
+
+
+def matmul_grads(a, b, grad, flags, needs, m, op="matmul"):
+    """Gradients of torch.matmul(a, b) by torch's decomposition and derivative formulas."""
+    plan = decompose.Plan(a, b, *flags)
+    na, nb = needs
+    ga = gb = None
+    k = plan.kind
+    if k == "bmm" and plan.squeeze:
+        if plan.squeeze == "a":
+            ga, gb = matmul_grads(a.squeeze(0), b, grad, flags, needs, m, op)
+            return (ga.unsqueeze(0) if ga is not None else None), gb
+        ga, gb = matmul_grads(a, b.squeeze(0), grad, flags, needs, m, op)
+        return ga, (gb.unsqueeze(0) if gb is not None else None)
+    if k == "dot":
+        return (grad * b if na else None), (grad * a if nb else None)
+    if k == "mv":
+        return (torch.outer(grad, b) if na else None), \
+            (_g("matmul", a.t(), grad, op, "grad_b", m) if nb else None)
+    if k == "mm1":
+        mat1, g2 = a.unsqueeze(0), grad.unsqueeze(0)
+        return (_mm_mat1_backward(g2, b, mat1, op, "grad_a", m).squeeze(0) if na else None), \
+            (_mm_mat2_backward(g2, mat1, b, op, "grad_b", m) if nb else None)
+    if k == "mm":
+        return (_mm_mat1_backward(grad, b, a, op, "grad_a", m) if na else None), \
+            (_mm_mat2_backward(grad, a, b, op, "grad_b", m) if nb else None)
+    if k == "fold":
+        t1f, t2, shape = decompose.fold_operands(plan, a, b)
+        if t2.dim() == 2:       # the output was transposed back only when t2 is a matrix
+            go = (grad.mT if plan.transpose else grad).reshape(t1f.shape[0], -1)
+        else:
+            go = grad.reshape(-1)
+        # the operand names: t1 is b^T when transposed, else a
+        n1, n2 = (nb, na) if plan.transpose else (na, nb)
+        p1, p2 = ("grad_b", "grad_a") if plan.transpose else ("grad_a", "grad_b")
+        if t2.dim() == 2:
+            g1 = _mm_mat1_backward(go, t2, t1f, op, p1, m) if n1 else None
+            g2 = _mm_mat2_backward(go, t1f, t2, op, p2, m) if n2 else None
+        else:
+            g1 = torch.outer(go, t2) if n1 else None
+            g2 = _g("matmul", t1f.t(), go, op, p2, m) if n2 else None
+        t1_shape = (b.mT if plan.transpose else a).shape
+        g1 = g1.reshape(t1_shape) if g1 is not None else None
+        if plan.transpose:
+            gb = g1.mT if g1 is not None else None
+            ga = (g2.t() if plan.da == 2 else g2) if g2 is not None else None
+            return ga, gb
+        return g1, g2
+    ae, be, shape, batch = decompose.bmm_operands(plan, a, b)
+    go = grad.reshape(ae.shape[0], ae.shape[1], be.shape[2])
+    if na:
+        n = a.shape[-2] if a.dim() > 1 else 1
+        ga = _g("bmm", go, be.transpose(1, 2), op, "grad_a", m).reshape(*batch, n, a.shape[-1])
+        ga = ga.sum_to_size(a.shape if a.dim() > 1 else (1, a.shape[0]))
+        ga = ga.view(a.shape)
+    if nb:
+        gbe = _g("bmm", ae.transpose(1, 2), go, op, "grad_b", m)
+        if b.dim() == 1:
+            gb = gbe.squeeze(2).reshape(*batch, b.shape[0]).sum_to_size(b.shape)
+        else:
+            gb = gbe.reshape(*batch, *b.shape[-2:]).sum_to_size(b.shape)
+    return ga, gb
 
 
 def _matmul_backward(ctx, grad):
     a, b = ctx.saved_tensors
-    m = ctx.module
-    need_a, need_b = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-    ga = gb = None
-    da, db = a.dim(), b.dim()
-    if da == 1 and db == 1:                        # dot
-        ga = grad * b if need_a else None
-        gb = grad * a if need_b else None
-    elif da == 2 and db == 1:                      # mv
-        ga = _g("matmul", grad.unsqueeze(-1), b.unsqueeze(0), "matmul", "grad_a", m) if need_a else None
-        gb = _g("matmul", a.t(), grad, "matmul", "grad_b", m) if need_b else None
-    elif da == 1 and db == 2:                      # a.unsqueeze(0).mm(b)
-        g2 = grad.unsqueeze(0)
-        ga = _g("mm", g2, b.t(), "matmul", "grad_a", m).squeeze(0) if need_a else None
-        gb = _g("mm", a.unsqueeze(0).t(), g2, "matmul", "grad_b", m) if need_b else None
-    elif db <= 2 and da >= 3 and _foldable(a):    # fold (..., M, K) into rows
-        a2 = a.reshape(-1, a.shape[-1])
-        if db == 1:
-            g2 = grad.reshape(-1)
-            ga = _g("matmul", g2.unsqueeze(-1), b.unsqueeze(0), "matmul", "grad_a", m).view(a.shape) if need_a else None
-            gb = _g("matmul", a2.t(), g2, "matmul", "grad_b", m) if need_b else None
-        else:
-            g2 = grad.reshape(-1, grad.shape[-1])
-            ga = _g("mm", g2, b.t(), "matmul", "grad_a", m).view(a.shape) if need_a else None
-            gb = _g("mm", a2.t(), g2, "matmul", "grad_b", m) if need_b else None
-    else:                                          # broadcast to a common batch, then bmm
-        a3 = a.unsqueeze(0) if da == 1 else a
-        b3 = b.unsqueeze(-1) if db == 1 else b
-        batch = torch.broadcast_shapes(a3.shape[:-2], b3.shape[:-2])
-        ae = a3.expand(*batch, *a3.shape[-2:]).reshape(-1, *a3.shape[-2:])
-        be = b3.expand(*batch, *b3.shape[-2:]).reshape(-1, *b3.shape[-2:])
-        g3 = grad.reshape(-1, ae.shape[-2], be.shape[-1])
-        if need_a:
-            ga = _g("bmm", g3, be.mT, "matmul", "grad_a", m).view(*batch, *a3.shape[-2:])
-            ga = ga.sum_to_size(a3.shape).view(a.shape)
-        if need_b:
-            gb = _g("bmm", ae.mT, g3, "matmul", "grad_b", m).view(*batch, *b3.shape[-2:])
-            gb = gb.sum_to_size(b3.shape).view(b.shape)
-    return ga, gb, None
+    ga, gb = matmul_grads(a, b, grad, ctx.flags, ctx.needs_input_grad[:2], ctx.module)
+    return ga, gb, None, None, None
 
 
-def _foldable(t):
-    """Can the batch dims of t fold into its rows without a copy (torch's own test)?"""
-    sizes, strides = t.shape, t.stride()
-    return all(strides[i] == strides[i + 1] * sizes[i + 1] for i in range(t.dim() - 2))
+matmul_op.register_autograd(_matmul_backward, setup_context=_matmul_setup)
 
 
-matmul_op.register_autograd(_matmul_backward, setup_context=_ab_setup)
+def _ab_setup(ctx, inputs, output):  # mm, bmm
+    a, b = inputs[0], inputs[1]
+    ctx.save_for_backward(a, b)
+    ctx.module = inputs[-1]
 
 
 @custom_op("abft::mm", mutates_args=())
@@ -288,7 +330,8 @@ def matmul(a, b, *, module=None):
     """
     if not ops._enabled():
         return torch.matmul(a, b)
-    return _call(torch.ops.abft.matmul, a.device.type, (a, b), module or "")
+    return _call(torch.ops.abft.matmul, a.device.type, (a, b), a.requires_grad, b.requires_grad,
+                 module or "")
 
 
 def mm(a, b, *, module=None):

@@ -7,7 +7,8 @@ inside the GEMM would, so tests and the evaluation exercise the path a real faul
 Patterns: ``element`` (row, col), ``row``, ``column``, ``tile`` (bm x bn from row, col).
 Kinds: ``bitflip`` (bit of the stored dtype), ``value`` (set), ``add``, ``scale``, ``zero``.
 Choose the call by ``call_id`` and/or ``when(ctx)``, a predicate on a ``CallContext``
-(op, phase, labels, call_id, shape, attempt). ``batch`` indexes the product's leading dims.
+(op, phase, labels, call_id, shape, attempt). ``batch`` indexes the product's leading dims
+(default: the first element of a batched product).
 ``times`` limits how many calls it corrupts (default 1; None: every matching call).
 By default the fault does not repeat on a recompute of the same call (a transient fault);
 ``persistent=True`` makes it hit the recompute too.
@@ -78,7 +79,8 @@ class Injection:
 
     def apply(self, c, ctx):
         """Corrupt ``c`` (..., M, N) in place."""
-        target = c[tuple(self.batch)] if self.batch else c
+        batch = tuple(self.batch) or (0,) * (c.dim() - 2)       # default: the first batch element
+        target = c[batch] if batch else c
         rs, cs = self.index(target)
         view = target[..., rs, cs]
         if view.numel() == 0:

@@ -134,10 +134,15 @@ class checked(TorchFunctionMode):
         return type(mod).__name__
 
     def __enter__(self):
-        pre = torch.nn.modules.module.register_module_forward_pre_hook(
-            lambda mod, args: _stack().append(self._name(mod)))
-        post = torch.nn.modules.module.register_module_forward_hook(
-            lambda mod, args, out: _stack().pop() if _stack() else None)
+        def push(mod, args):
+            _stack().append(self._name(mod))
+
+        def pop(mod, args, out):          # a hook that returns something replaces the output
+            if _stack():
+                _stack().pop()
+
+        pre = torch.nn.modules.module.register_module_forward_pre_hook(push)
+        post = torch.nn.modules.module.register_module_forward_hook(pop, always_call=True)
         self._hooks = [pre, post]
         return super().__enter__()
 

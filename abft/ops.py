@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from abft import settings as _config
-from abft import context, coverage, faults, policy
+from abft import context, coverage, decompose, faults, policy
 from abft.alarms import SilentCorruptionError
 from abft.kernels import reference
 from abft.tolerance import units as _units
@@ -198,30 +198,60 @@ def _enabled():
 
 
 @_plain
-def matmul(a, b, *, op="matmul", phase="forward", module=None):
-    """Checked ``torch.matmul(a, b)`` without autograd (``abft.matmul`` adds it)."""
-    out = torch.matmul(a, b)
+def matmul(a, b, *, op="matmul", phase="forward", module=None, a_rg=False, b_rg=False):
+    """Checked ``torch.matmul(a, b)`` without autograd (``abft.matmul`` adds it). The product is
+    computed by torch's own decomposition (``abft.decompose``); ``a_rg``/``b_rg`` say whether the
+    caller's operands require grad, which steers that decomposition as it steers torch's."""
     if not _enabled():
-        return out
+        return torch.matmul(a, b)
     _require_float(op, a, b)
-    return _finish(op, out, lambda o: _matmul_problem(a, b, o, op), phase, module)
+    plan = decompose.Plan(a, b, a_rg, b_rg)
+    if plan.kind == "bmm" and plan.squeeze:
+        if plan.squeeze == "a":
+            return matmul(a.squeeze(0), b, op=op, phase=phase, module=module, a_rg=a_rg, b_rg=b_rg)
+        return matmul(a, b.squeeze(0), op=op, phase=phase, module=module, a_rg=a_rg, b_rg=b_rg)
+    pb = _matmul_problem(plan, a, b, op)
+    fresh = run_checked(pb, lambda: _matmul_problem(plan, a, b, op), phase=phase, module=module,
+                        depth=4)
+    return (fresh or pb).finish()
 
 
-def _matmul_problem(a, b, out, op="matmul"):
-    if a.dim() == 1 and b.dim() == 1:
+def _matmul_problem(plan, a, b, op):
+    """Compute the product the way torch.matmul does and return it as a checkable Problem whose
+    ``finish()`` gives torch.matmul's result."""
+    k = plan.kind
+    if k == "dot":
+        out = a.dot(b)
         pb = Problem(op, a.unsqueeze(0), b.unsqueeze(-1), out.view(1, 1))
-    elif b.dim() == 1:
-        a2, c2, flat = _fold(a, out.unsqueeze(-1))
-        pb = Problem(op, a2, b.unsqueeze(-1), c2, flat_rows=flat)
-    elif a.dim() == 1:
-        pb = Problem(op, a.unsqueeze(0), b, out.unsqueeze(-2))
-    elif b.dim() == 2:
-        a2, c2, flat = _fold(a, out)
-        pb = Problem(op, a2, b, c2, flat_rows=flat)
-    else:
+        pb.finish = lambda: out
+    elif k == "mv":
+        out = a.mv(b)
+        pb = Problem(op, a, b.unsqueeze(-1), out.unsqueeze(-1))
+        pb.finish = lambda: out
+    elif k == "mm1":
+        o = a.unsqueeze(0).mm(b)
+        pb = Problem(op, a.unsqueeze(0), b, o)
+        pb.finish = lambda: o.squeeze(0)
+    elif k == "mm":
+        out = a.mm(b)
         pb = Problem(op, a, b, out)
-    pb.result = out
-    pb.recompute = lambda: torch.matmul(a, b)
+        pb.finish = lambda: out
+    elif k == "fold":
+        t1f, t2, shape = decompose.fold_operands(plan, a, b)
+        flat = None if plan.transpose else tuple(shape[:-1] if t2.dim() == 2 else shape)
+        if t2.dim() == 2:
+            o = t1f.mm(t2)
+            pb = Problem(op, t1f, t2, o, flat_rows=flat)
+            pb.finish = (lambda: o.view(shape).mT.contiguous()) if plan.transpose else (lambda: o.view(shape))
+        else:
+            o = t1f.mv(t2)
+            pb = Problem(op, t1f, t2.unsqueeze(-1), o.unsqueeze(-1), flat_rows=flat)
+            pb.finish = lambda: o.view(shape)
+    else:
+        ae, be, shape, _ = decompose.bmm_operands(plan, a, b)
+        o = ae.bmm(be)
+        pb = Problem(op, ae, be, o)
+        pb.finish = (lambda: o.squeeze(-1).view(shape)) if b.dim() == 1 else (lambda: o.view(shape))
     return pb
 
 

@@ -187,7 +187,7 @@ def _side(x, y, xst, yst, x_low, y_low, out_sums, pred, addend, alpha, bs, u, la
             t = t * abs(alpha)
         abs_add = None if addend is None else block_sum(addend.abs(), -2, bs, r_len)
         thr = torch.minimum(thr, worst_case(u, k=k, bs=bs, t=t, abs_sums=abs_sums,
-                                            abs_addend=abs_add))
+                                            abs_addend=abs_add)).clamp_min(u.tiny)
     return res, thr
 
 

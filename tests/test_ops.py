@@ -148,3 +148,12 @@ def test_tiles_from_config_are_recorded():
         (alarm,) = abft.flush()
     assert (alarm.bm, alarm.bn, alarm.tile) == (32, 16, (2, 3))
     assert (alarm.row, alarm.col) == (70, 50)
+
+
+@pytest.mark.parametrize("k", [1, 5, 64, 300])
+def test_all_zero_operands_do_not_alarm(k):
+    for dt in (torch.float32, torch.float64, torch.bfloat16):
+        a, b = torch.zeros(40, k, dtype=dt), torch.randn(k, 30).to(dt)
+        abft.matmul(a, b)
+        abft.matmul(b.t(), a.t())
+    _clean()

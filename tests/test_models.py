@@ -1,0 +1,209 @@
+"""Checked models: protect(), abft.nn.Linear, the checked() mode, autocast, coverage, no_grad,
+gradient accumulation, activation checkpointing and torch.compile."""
+import copy
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import abft
+from abft.eval.models import GPT, GPTConfig
+
+CFG = GPTConfig(vocab=32, block=16, layers=2, heads=2, dim=32)
+
+
+def _batch(seed=0, b=3, t=12):
+    g = torch.Generator().manual_seed(seed)
+    idx = torch.randint(0, CFG.vocab, (b, t + 1), generator=g)
+    return idx[:, :-1], idx[:, 1:]
+
+
+def _train(model, steps, ctx=None):
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    losses = []
+    for s in range(steps):
+        x, y = _batch(s)
+        with (ctx() if ctx else abft.scope(step=s)), abft.scope(step=s):
+            loss = model(x, y)
+            opt.zero_grad()
+            loss.backward()
+        losses.append(loss.detach())
+        grads = [p.grad.clone() for p in model.parameters()]
+        opt.step()
+    return losses, grads
+
+
+def test_protected_and_checked_training_is_bit_identical():
+    torch.manual_seed(0)
+    plain = GPT(CFG)
+    prot = copy.deepcopy(plain)
+    summary = abft.protect(prot)
+    assert len(summary["linear"]) == 2 * 4 + 1
+    l1, g1 = _train(plain, 3)
+    l2, g2 = _train(prot, 3, ctx=lambda: abft.checked(prot))
+    assert all(torch.equal(a, b) for a, b in zip(l1, l2))
+    assert all(torch.equal(a, b) for a, b in zip(g1, g2))
+    assert abft.flush() == []
+    cov = {(r["op"], r["module"]): r for r in abft.coverage()}
+    # every Linear: 3 steps x (forward, grad_input, grad_weight); attention products: forward + 2 grads
+    assert cov[("linear", "blocks.0.mlp.fc")]["checked"] == 9
+    assert cov[("matmul", "blocks.1.attn")]["checked"] == 3 * 2 * 3
+    assert cov[("linear", "head")]["checked"] == 9
+    for p in prot.parameters():
+        assert p.grad is not None
+
+
+@pytest.mark.parametrize("module,op,phase", [
+    ("blocks.0.mlp.fc", "linear", "forward"), ("blocks.1.mlp.out", "linear", "grad_input"),
+    ("blocks.0.attn.qkv", "linear", "grad_weight"), ("blocks.1.attn", "matmul", "forward"),
+    ("blocks.0.attn", "matmul", "grad_a"), ("blocks.0.attn", "matmul", "grad_b")])
+def test_fault_in_each_phase_of_the_model_is_labelled(module, op, phase):
+    torch.manual_seed(0)
+    model = GPT(CFG)
+    abft.protect(model)
+    x, y = _batch()
+    with abft.inject(when=lambda c: c.module == module and c.phase == phase and c.op == op,
+                     row=2, col=3, kind="add", value=1e3) as h:
+        with abft.checked(model), abft.scope(step=7):
+            model(x, y).backward()
+    alarms = abft.flush()
+    assert len(h.hits) == 1
+    assert [(a.module, a.op, a.phase, a.step) for a in alarms] == [(module, op, phase, 7)]
+    assert (alarms[0].row, alarms[0].col) == (2, 3)
+
+
+def test_linear_module_state_dict_round_trip():
+    plain = nn.Linear(8, 5)
+    mine = abft.nn.Linear(8, 5, name="fc")
+    mine.load_state_dict(plain.state_dict())
+    x = torch.randn(4, 8)
+    assert torch.equal(mine(x), plain(x))
+    assert set(mine.state_dict()) == {"weight", "bias"}
+    plain.load_state_dict(mine.state_dict())
+
+
+def test_protect_unprotect_keeps_parameters():
+    model = nn.Sequential(nn.Linear(4, 6), nn.ReLU(), nn.Linear(6, 2))
+    params = [id(p) for p in model.parameters()]
+    s = abft.protect(model)
+    assert s["linear"] == ["0", "2"] and isinstance(model[0], nn.Linear)
+    assert [id(p) for p in model.parameters()] == params
+    assert abft.protect(model)["already"] == ["0", "2"]
+    assert abft.unprotect(model) == ["0", "2"] and type(model[0]) is nn.Linear
+
+
+def test_weight_flip_at_rest_is_caught_by_the_cached_checksums():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 48))
+    abft.protect(model)
+    x = torch.randn(32, 64)
+    model(x)
+    assert abft.flush() == []
+    with torch.no_grad():
+        w = model[0].weight.data.view(torch.int32)     # behind autograd's back: no version bump
+        w[5, 7] ^= 1 << 28
+    model(x)
+    alarms = abft.flush()
+    assert alarms and all(a.module == "0" for a in alarms)
+    assert {c for a in alarms for c in a.cols} == set() and all(len(a.rows) > 0 for a in alarms)
+    # a fresh check sees a consistent product of the wrong weight
+    abft.unprotect(model)
+    abft.protect(model, cache_weight_checksums=False)
+    model(x)
+    assert abft.flush() == []
+
+
+def test_no_grad_inference_and_gradient_accumulation():
+    torch.manual_seed(0)
+    plain, prot = GPT(CFG), None
+    prot = copy.deepcopy(plain)
+    abft.protect(prot)
+    x, y = _batch()
+    with torch.no_grad():
+        assert torch.equal(plain(x), prot(x))
+    for m in (plain, prot):
+        for s in range(2):
+            xs, ys = _batch(10 + s)
+            (m(xs, ys) / 2).backward()
+    for p, q in zip(plain.parameters(), prot.parameters()):
+        assert torch.equal(p.grad, q.grad)
+    assert abft.flush() == []
+
+
+def test_activation_checkpointing_labels_recompute():
+    torch.manual_seed(0)
+    lin = abft.nn.Linear(16, 16, name="ck")
+    x = torch.randn(8, 16, requires_grad=True)
+    y = torch.utils.checkpoint.checkpoint(lin, x, use_reentrant=False)
+    y.sum().backward()
+    phases = sorted(r["op"] for r in abft.coverage())
+    with abft.inject(when=lambda c: c.phase == "recompute", kind="add", value=9.0, row=0, col=0) as h:
+        y = torch.utils.checkpoint.checkpoint(lin, x, use_reentrant=False)
+        y.sum().backward()
+    (al,) = abft.flush()
+    assert al.phase == "recompute" and len(h.hits) == 1 and phases == ["linear"]
+
+
+def test_checked_mode_covers_unmodified_code_and_names_what_it_misses():
+    a, b = torch.randn(6, 5), torch.randn(5, 4)
+    q = torch.randn(1, 2, 6, 8)
+    with abft.checked():
+        c1 = a @ b
+        c2 = torch.mm(a, b)
+        c3 = a.matmul(b)
+        c4 = torch.einsum("ik,kj->ij", a, b)
+        c5 = torch.einsum("bhqd,bhkd->bhqk", q, q)
+        torch.einsum("ii->i", torch.randn(3, 3))
+        F.scaled_dot_product_attention(q, q, q)
+        F.conv1d(torch.randn(1, 2, 8), torch.randn(3, 2, 3))
+        F.linear(a, b.t())
+    assert torch.equal(c1, a @ b) and torch.equal(c2, c1) and torch.equal(c3, c1)
+    assert torch.equal(c4, torch.einsum("ik,kj->ij", a, b))
+    assert torch.equal(c5, torch.einsum("bhqd,bhkd->bhqk", q, q))
+    cov = abft.coverage()
+    checked = {r["op"]: r["checked"] for r in cov if r["checked"]}
+    missed = {r["op"] for r in cov if r["unprotected"]}
+    assert checked == {"matmul": 2, "mm": 1, "einsum": 2, "linear": 1}
+    assert missed == {"einsum", "scaled_dot_product_attention", "conv1d"}
+    assert abft.flush() == []
+
+
+def test_checked_mode_sdpa_decomposition():
+    q, k, v = (torch.randn(2, 3, 7, 8) for _ in range(3))
+    ref = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    with abft.checked(sdpa=True):
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert torch.allclose(out, ref, atol=1e-5)
+    assert sum(r["checked"] for r in abft.coverage()) == 2
+    assert abft.flush() == []
+
+
+def test_autocast_matches_torch():
+    x, w, b = torch.randn(8, 16), torch.randn(12, 16), torch.randn(12)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        ref = F.linear(x, w, b)
+        ref2 = x @ w.t()
+        out = abft.linear(x, w, b)
+        with abft.checked():
+            out2 = x @ w.t()
+    assert out.dtype == ref.dtype == torch.bfloat16 and torch.equal(out, ref)
+    assert torch.equal(out2, ref2)
+    assert abft.flush() == []
+
+
+def test_torch_compile_fullgraph_matches_eager():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
+    abft.protect(model)
+    x = torch.randn(4, 16)
+    eager = model(x)
+    compiled = torch.compile(model, fullgraph=True, backend="aot_eager")
+    out = compiled(x)
+    assert torch.equal(out, eager)
+    out.sum().backward()
+    assert abft.flush() == []
+    with abft.inject(when=lambda c: c.module == "2", kind="add", value=5.0, row=1, col=1):
+        compiled(x)
+    (al,) = abft.flush()
+    assert al.module == "2"
