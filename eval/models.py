@@ -76,3 +76,13 @@ class GPT(nn.Module):
         if targets is None:
             return logits
         return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+
+
+def bench_gpt():
+    """``abft bench --model abft.eval.models:bench_gpt``: a 2-layer GPT block stack, a batch of
+    8 x 64 tokens; returns (model, inputs) where ``model(*inputs)`` is the loss."""
+    cfg = GPTConfig(vocab=256, block=64, layers=2, heads=4, dim=256)
+    torch.manual_seed(0)
+    g = torch.Generator().manual_seed(0)
+    idx = torch.randint(0, cfg.vocab, (8, cfg.block + 1), generator=g)
+    return GPT(cfg), (idx[:, :-1], idx[:, 1:])

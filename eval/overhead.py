@@ -34,6 +34,36 @@ def make_pair(kind, m, k, n, dtype=torch.float32, device="cpu"):
     return (lambda: torch.matmul(x, b)), (lambda: abft.matmul(x, b))
 
 
+def train_step_pair(factory):
+    """(plain, checked) training steps of ``factory() -> (model, inputs)``: forward, backward and
+    an SGD step; checked = a deep copy under ``abft.protect`` and ``abft.checked``."""
+    import copy
+    import abft
+    model, inputs = factory()
+    prot = copy.deepcopy(model)
+    abft.protect(prot)
+
+    def step(m, ctx):
+        opt = torch.optim.SGD(m.parameters(), lr=1e-4)
+
+        def run():
+            with ctx():
+                loss = m(*inputs)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
+            opt.step()
+            return loss
+        return run
+    import contextlib
+    return step(model, contextlib.nullcontext), step(prot, lambda: abft.checked(prot))
+
+
+def load_factory(spec):
+    import importlib
+    mod, _, name = spec.partition(":")
+    return getattr(importlib.import_module(mod), name)
+
+
 def _time(fn, sync):
     t = time.perf_counter()
     fn()
@@ -70,6 +100,9 @@ def add_arguments(ap):
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16", "float64"])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--reps", type=int, default=0, help="pairs per shape (0: by size)")
+    ap.add_argument("--model", default=None,
+                    help="package.module:factory returning (model, inputs) with model(*inputs) a "
+                         "loss: time one training step plain vs protected")
 
 
 def main(args):
@@ -77,6 +110,12 @@ def main(args):
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     print(f"| shape | plain ms | checked ms | checked / plain (median) | IQR |")
     print("|---|---|---|---|---|")
+    if args.model:
+        plain, checked = train_step_pair(load_factory(args.model))
+        r = interleaved(plain, checked, args.reps or 11, sync)
+        print(f"| train step {args.model} | {r['plain_ms']:.1f} | {r['checked_ms']:.1f} | "
+              f"{r['ratio']:.3f} | {r['q1']:.3f}-{r['q3']:.3f} |", flush=True)
+        return 0
     for kind, m, k, n in parse_shapes(args.shapes):
         plain, checked = make_pair(kind, m, k, n, dtype, args.device)
         reps = args.reps or max(5, min(41, int(4e10 / (2 * m * k * n))))

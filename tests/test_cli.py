@@ -29,3 +29,8 @@ def test_interleaved_reports_a_ratio():
     r = overhead.interleaved(plain, checked, 5)
     assert r["q1"] <= r["ratio"] <= r["q3"] and r["ratio"] > 0
     assert overhead.parse_shapes("4x5x6,linear:1x2x3") == [("matmul", 4, 5, 6), ("linear", 1, 2, 3)]
+
+
+def test_bench_a_model_training_step(capsys):
+    assert cli.main(["bench", "--model", "abft.eval.models:bench_gpt", "--reps", "2"]) == 0
+    assert "train step abft.eval.models:bench_gpt" in capsys.readouterr().out

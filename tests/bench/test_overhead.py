@@ -17,3 +17,14 @@ def test_product(benchmark, kind, m, k, n, which):
     out = benchmark(fn)
     assert out.shape == (m, n)
     assert abft.flush() == []
+
+
+@pytest.mark.parametrize("which", ["plain", "checked"])
+def test_train_step(benchmark, which):
+    import abft
+    from abft.eval.models import bench_gpt
+    from abft.eval.overhead import train_step_pair
+    plain, checked = train_step_pair(bench_gpt)
+    loss = benchmark(plain if which == "plain" else checked)
+    assert loss.isfinite()
+    assert abft.flush() == []
