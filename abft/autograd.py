@@ -85,9 +85,9 @@ def _(input, mat1, mat2, beta, alpha, module):
     return torch.addmm(input, mat1, mat2, beta=beta, alpha=alpha)
 
 
-def _addmm_setup(ctx, inputs, output):
-    input, mat1, mat2, beta, alpha, module = inputs
-    ctx.save_for_backward(mat1, mat2)
+def _add_setup(ctx, inputs, output):  # addmm, baddbmm: (input, x, y, beta, alpha, module)
+    input, x, y, beta, alpha, module = inputs
+    ctx.save_for_backward(x, y)
     ctx.input_shape, ctx.beta, ctx.alpha, ctx.module = input.shape, beta, alpha, module
 
 
@@ -112,7 +112,7 @@ def _addmm_backward(ctx, grad):
         _scale(g2, ctx.alpha) if g2 is not None else None, None, None, None
 
 
-addmm_op.register_autograd(_addmm_backward, setup_context=_addmm_setup)
+addmm_op.register_autograd(_addmm_backward, setup_context=_add_setup)
 
 
 # -- matmul, mm, bmm, baddbmm --------------------------------------------------------------------
@@ -277,12 +277,6 @@ def _(input, b1, b2, beta, alpha, module):
     return torch.baddbmm(input, b1, b2, beta=beta, alpha=alpha)
 
 
-def _baddbmm_setup(ctx, inputs, output):
-    input, b1, b2, beta, alpha, module = inputs
-    ctx.save_for_backward(b1, b2)
-    ctx.input_shape, ctx.beta, ctx.alpha, ctx.module = input.shape, beta, alpha, module
-
-
 def _baddbmm_backward(ctx, grad):
     b1, b2 = ctx.saved_tensors
     gi = _scale(grad, ctx.beta).sum_to_size(ctx.input_shape) if ctx.needs_input_grad[0] else None
@@ -293,7 +287,7 @@ def _baddbmm_backward(ctx, grad):
     return gi, g1, g2, None, None, None
 
 
-baddbmm_op.register_autograd(_baddbmm_backward, setup_context=_baddbmm_setup)
+baddbmm_op.register_autograd(_baddbmm_backward, setup_context=_add_setup)
 
 
 # -- the public functions: autocast rules, then the custom op ---------------------------------------

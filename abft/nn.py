@@ -16,10 +16,9 @@ and changes of the input X or of the bias.
 """
 import threading
 
-import torch
 from torch import nn
 
-from abft import autograd, settings
+from abft import autograd
 from abft.kernels.reference import operand_stats
 from abft.tolerance import check_dtype, low_entropy
 

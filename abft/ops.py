@@ -17,7 +17,6 @@ from abft import context, coverage, decompose, faults, policy
 from abft.alarms import SilentCorruptionError
 from abft.kernels import reference
 from abft.tolerance import units as _units
-from abft.kernels import layout as L
 
 SUPPORTED = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 

@@ -17,7 +17,7 @@ import torch
 
 from abft import coverage
 from abft import settings as _config
-from abft.alarms import Alarm, SilentCorruptionError, default_log
+from abft.alarms import Alarm, default_log
 from abft.kernels import layout as L
 
 

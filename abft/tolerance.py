@@ -96,7 +96,7 @@ def low_entropy(x, samples=16):
     else:
         v = x.index_select(-1, idx)
     # distinct values = sum over samples of 1 / (how many samples equal it)
-    same = (v.unsqueeze(-1) == v.unsqueeze(-2)).sum(-1)
+    same = torch.count_nonzero(v.unsqueeze(-1) == v.unsqueeze(-2), dim=-1)
     distinct = (1.0 / same).sum(-1)
     return distinct <= max(2, n // 4) + 0.5
 

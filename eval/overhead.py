@@ -108,7 +108,7 @@ def add_arguments(ap):
 def main(args):
     dtype = getattr(torch, args.dtype)
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
-    print(f"| shape | plain ms | checked ms | checked / plain (median) | IQR |")
+    print("| shape | plain ms | checked ms | checked / plain (median) | IQR |")
     print("|---|---|---|---|---|")
     if args.model:
         plain, checked = train_step_pair(load_factory(args.model))

@@ -68,7 +68,8 @@ def _multiplicity(key, bs):
     rows: (..., R) -> (..., T). Equal rows have equal keys; unequal rows with equal keys only
     make the threshold larger."""
     kb = _pad_blocks(key, -1, bs, float("nan"))
-    return (kb.unsqueeze(-1) == kb.unsqueeze(-2)).sum(-1).amax(-1).clamp_min(1).to(key.dtype)
+    same = torch.count_nonzero(kb.unsqueeze(-1) == kb.unsqueeze(-2), dim=-1)
+    return same.amax(-1).clamp_min(1).to(key.dtype)
 
 
 _CHUNK = 1 << 19          # elements per chunk on the CPU: 2 MiB of float32, about one L2 (1 MiB a core here)
@@ -76,7 +77,10 @@ _local = threading.local()
 
 
 def _workspace(shape, dtype, device, slot):
-    """A reusable buffer: fresh full-size temporaries cost page faults on every call."""
+    """A reusable buffer on the CPU, where fresh large temporaries cost page faults on every call.
+    Elsewhere the caching allocator already reuses memory, and a kept full-size buffer would pin it."""
+    if device.type != "cpu":
+        return torch.empty(shape, dtype=dtype, device=device)
     n = math.prod(shape)
     key = (slot, dtype, device)
     pool = getattr(_local, "pool", None)
@@ -191,15 +195,16 @@ def _side(x, y, xst, yst, x_low, y_low, out_sums, pred, addend, alpha, bs, u, la
     return res, thr
 
 
-def _tile_fields(ratio, res, thr, offset_block):
-    """ratio/res/thr: (..., TM, TN, bs) -> worst ratio, fails, global index, residual, threshold."""
+def _tile_fields(ratio, res, thr, offset_block, dim):
+    """ratio/res/thr: tiles with their sums along ``dim`` -> (..., TM, TN) worst ratio, failing
+    count, global index, residual and threshold of the worst sum."""
     mag = ratio.abs()
-    worst, idx = mag.max(-1)
-    fails = (mag > 1).sum(-1).to(ratio.dtype)
+    worst, idx = mag.max(dim)
+    fails = torch.count_nonzero(mag > 1, dim=dim).to(ratio.dtype)
     where = idx.to(ratio.dtype) + offset_block
     where = torch.where(fails > 0, where, torch.full_like(where, -1.0))
-    pick = idx.unsqueeze(-1)
-    return worst, fails, where, res.gather(-1, pick).squeeze(-1), thr.gather(-1, pick).squeeze(-1)
+    pick = idx.unsqueeze(dim)
+    return worst, fails, where, res.gather(dim, pick).squeeze(dim), thr.gather(dim, pick).squeeze(dim)
 
 
 def check(a, b, c, *, bm, bn, units, alpha=1.0, addend=None, lam=None, return_sums=False,
@@ -274,29 +279,30 @@ def check(a, b, c, *, bm, bn, units, alpha=1.0, addend=None, lam=None, return_su
             inputs_ok = inputs_ok & torch.isfinite(add_peak)
             peak = peak + add_peak
         col_view = lambda t, v: _pad_blocks(t, -1, bn, v)                       # (..., TM, TN, BN)
-        row_view = lambda t, v: _pad_blocks(t, -2, bm, v).movedim(-2, -1)      # (..., TM, TN, BM)
+        row_view = lambda t, v: _pad_blocks(t, -2, bm, v)                       # (..., TM, BM, TN)
         c_bad = ~(torch.isfinite(col_view(sums_c, 0.0)).all(-1)
-                  & torch.isfinite(row_view(sums_r, 0.0)).all(-1))
+                  & torch.isfinite(row_view(sums_r, 0.0)).all(-2))
         thr_bad = ~(torch.isfinite(col_view(thr_c, 1.0)).all(-1)
-                    & torch.isfinite(row_view(thr_r, 1.0)).all(-1))
+                    & torch.isfinite(row_view(thr_r, 1.0)).all(-2))
         may_overflow = peak >= torch.finfo(c.dtype).max
         status = torch.full(c_bad.shape, L.UNVERIFIED, dtype=torch.float32, device=c.device)
         status = torch.where(inputs_ok & ~thr_bad & ~c_bad, L.OK, status)
         status = torch.where(inputs_ok & c_bad & ~may_overflow, L.NONFINITE, status)
-        ok = (status == L.OK).unsqueeze(-1)
+        ok = (status == L.OK).unsqueeze(-1)                     # broadcasts over (..., TM, TN, BN)
 
         # Ratios: 0 in unverified tiles; a non-finite sum in a NONFINITE tile counts as failing
         # (inf), so the sums locate the non-finite element too.
         zero, inf = res_c.new_zeros(()), float("inf")
         keep = ok | (status == L.NONFINITE).unsqueeze(-1)
         rc = torch.where(keep, col_view(torch.nan_to_num(res_c / thr_c, inf, inf, inf), 0.0), zero)
-        rr = torch.where(keep, row_view(torch.nan_to_num(res_r / thr_r, inf, inf, inf), 0.0), zero)
+        rr = torch.where(keep.movedim(-1, -2),                  # (..., TM, 1, TN)
+                         row_view(torch.nan_to_num(res_r / thr_r, inf, inf, inf), 0.0), zero)
         q_off = torch.arange(tn, device=c.device, dtype=rc.dtype) * bn
         p_off = (torch.arange(tm, device=c.device, dtype=rc.dtype) * bm).unsqueeze(-1)
         cw_, cf, cidx, cres, cthr = _tile_fields(rc, col_view(res_c, 0.0).expand_as(rc),
-                                                 col_view(thr_c, 1.0).expand_as(rc), q_off)
+                                                 col_view(thr_c, 1.0).expand_as(rc), q_off, -1)
         rw_, rf, ridx, rres, rthr = _tile_fields(rr, row_view(res_r, 0.0).expand_as(rr),
-                                                 row_view(thr_r, 1.0).expand_as(rr), p_off)
+                                                 row_view(thr_r, 1.0).expand_as(rr), p_off, -2)
         use_col = cf > 0
         verdict = torch.stack([rw_, rf, ridx, cw_, cf, cidx,
                                torch.where(use_col, cres, rres), torch.where(use_col, cthr, rthr),
@@ -317,8 +323,8 @@ def _block_finite(norms, bs):
 
 
 def _unblock_rows(rr, m):
-    """(..., TM, TN, BM) -> (..., M, TN)."""
-    return rr.movedim(-1, -2).flatten(-3, -2)[..., :m, :].float()
+    """(..., TM, BM, TN) -> (..., M, TN)."""
+    return rr.flatten(-3, -2)[..., :m, :].float()
 
 
 def _unblock_cols(rc, n):

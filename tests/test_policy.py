@@ -1,6 +1,5 @@
 """Policies, sampling, the bounded queue, labels, logs and callbacks."""
 import json
-import warnings
 
 import pytest
 import torch
