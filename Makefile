@@ -19,7 +19,7 @@ demo: $(STAMP)
 	$(BIN)/abft demo
 
 test: $(STAMP)
-	$(BIN)/python -m pytest -q tests --benchmark-disable
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests --benchmark-disable
 
 bench: $(STAMP)
 	$(BIN)/abft bench
