@@ -160,3 +160,18 @@ def apply(c, ctx):
             inj.apply(c, ctx)
             n += 1
     return n
+
+
+def kernel_injection(ctx):
+    """The in-kernel injection (for the fused kernel) of the first matching element fault:
+    bitflip, add or zero of one accumulator element after the first K step."""
+    for inj in list(_active):
+        if inj.matches(ctx):
+            if inj.pattern != "element" or inj.kind not in ("bitflip", "add", "zero"):
+                raise NotImplementedError("abft.inject: the triton backend injects element bit "
+                                          "flips, adds and zeroing only")
+            inj.hits.append(ctx)
+            batch = inj.batch[0] if inj.batch else 0
+            return dict(kind=inj.kind, batch=batch, row=inj.row, col=inj.col, k_step=0,
+                        bit=inj.bit or 0, value=inj.value)
+    return None

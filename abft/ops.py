@@ -42,6 +42,59 @@ class Problem:
     def __init__(self, op, a, b, c, alpha=1.0, addend=None, flat_rows=None):
         self.op, self.a, self.b, self.c = op, a, b, c
         self.alpha, self.addend, self.flat_rows = alpha, addend, flat_rows
+        self.shape, self.dtype = tuple(c.shape), c.dtype
+
+    def verify(self, ctx, s):
+        """Apply the fault hook to the computed product, then check it (reference backend)."""
+        if faults.active():
+            faults.apply(self.c, ctx)
+        return _check(self, ctx, s)
+
+
+class TritonProblem(Problem):
+    """A product the fused kernel computes and checks in one launch: verify() runs it, with the
+    fault hook's element faults injected into the accumulator (after the first K step)."""
+
+    def __init__(self, op, a, b, bias=None, flat_rows=None, finish=None):
+        self.op, self.a, self.b, self.bias, self.flat_rows = op, a, b, bias, flat_rows
+        self.alpha, self.addend, self.c = 1.0, bias, None      # addend: for a re-check of C
+        self.shape = tuple(a.shape[:-1]) + (b.shape[-1],)
+        self.dtype = a.dtype
+        self._finish = finish or (lambda c: c)
+
+    def verify(self, ctx, s):
+        from abft.kernels import triton_gemm
+        inject = faults.kernel_injection(ctx) if faults.active() else None
+        self.c, verdict, detail = triton_gemm.checked_gemm(self.a, self.b, self.bias, tiles=s.tiles,
+                                                           inject=inject)
+        bm, bn = s.tiles or triton_gemm.tiles_for(self.shape[-2], self.shape[-1], self.a.shape[-1], self.dtype)
+        if self.c.dim() == 2:
+            verdict, detail = verdict[0], (detail[0][0], detail[1][0])
+        info = dict(op=self.op, phase=ctx.phase, labels=ctx.labels, call_id=ctx.call_id,
+                    rank=context.current_rank(), shapes=(tuple(self.a.shape), tuple(self.b.shape)),
+                    dtype=str(self.dtype).replace("torch.", ""), bm=bm, bn=bn, backend="triton",
+                    time=policy.now(), flat_rows=self.flat_rows, action="recorded")
+        return policy.make_pending(verdict, detail, info, context.current().log)
+
+    def finish(self):
+        return self._finish(self.c)
+
+
+def _use_triton(*ts):
+    """The backend for these operands: triton when configured (auto: on CUDA tensors)."""
+    b = _config.get().backend
+    if b == "reference":
+        return False
+    ok = all(t.dtype in (torch.float32, torch.float16, torch.bfloat16) and t.dtype == ts[0].dtype for t in ts)
+    if b == "triton":
+        return ok
+    return ok and all(t.is_cuda for t in ts)
+
+
+def _triton(pb, phase, module):
+    fresh = run_checked(pb, lambda: TritonProblem(pb.op, pb.a, pb.b, pb.bias, pb.flat_rows, pb._finish),
+                        phase=phase, module=module, depth=5)
+    return (fresh or pb).finish()
 
 
 def _require_float(op, *ts):
@@ -110,10 +163,8 @@ def run_checked(pb, recompute, *, phase="forward", module=None, depth=3):
         coverage.count(pb.op, labels.get("module"), "sampled_out")
         return None
     coverage.count(pb.op, labels.get("module"), "checked")
-    ctx = faults.CallContext(pb.op, phase, labels, call_id, tuple(pb.c.shape), pb.c.dtype)
-    if faults.active():
-        faults.apply(pb.c, ctx)
-    pend = _check(pb, ctx, s)
+    ctx = faults.CallContext(pb.op, phase, labels, call_id, pb.shape, pb.dtype)
+    pend = pb.verify(ctx, s)
     if s.policy in ("record", "warn"):
         pend.info["action"] = "recorded" if s.policy == "record" else "warned"
         policy.enqueue(pend)
@@ -141,9 +192,7 @@ def run_checked(pb, recompute, *, phase="forward", module=None, depth=3):
     # recompute (or a correction that did not verify)
     ctx.attempt = 1
     pb2 = recompute()
-    if faults.active():
-        faults.apply(pb2.c, ctx)
-    again = policy.resolve_now(_check(pb2, ctx, s))
+    again = policy.resolve_now(pb2.verify(ctx, s))
     persistence = "persistent" if again else "transient"
     for a in alarms:
         a.action, a.persistence = "recomputed", persistence
@@ -170,7 +219,7 @@ def _correctable(alarms):
 
 
 def _check(pb, ctx, s):
-    bm, bn = s.tiles
+    bm, bn = s.tiles or (256, 256)
     u = _units(pb.c.dtype, tf32=_tf32(pb.a))
     b_stats = getattr(pb, "b_stats", None)
     verdict, detail = reference.check(pb.a, pb.b, pb.c, bm=bm, bn=bn, units=u, alpha=pb.alpha,
@@ -257,6 +306,8 @@ def _matmul_problem(plan, a, b, op):
 @_plain
 def mm(a, b, *, op="mm", phase="forward", module=None):
     """Checked ``torch.mm``: (M, K) @ (K, N)."""
+    if _enabled() and _use_triton(a, b) and a.dim() == 2 and b.dim() == 2:
+        return _triton(TritonProblem(op, a, b), phase, module)
     out = torch.mm(a, b)
     if not _enabled():
         return out
@@ -310,6 +361,11 @@ def baddbmm(input, batch1, batch2, *, beta=1, alpha=1, module=None):
 @_plain
 def linear(input, weight, bias=None, *, module=None, weight_stats=None):
     """Checked ``F.linear``: input (..., in) @ weight.T (out, in) + bias (out,)."""
+    if _enabled() and _use_triton(input, weight) and input.dim() >= 2 and (bias is None or bias.dim() == 1):
+        x2 = input.reshape(-1, input.shape[-1])
+        lead = tuple(input.shape[:-1])
+        return _triton(TritonProblem("linear", x2, weight.t(), bias, lead if len(lead) > 1 else None,
+                                     lambda c: c.view(*lead, c.shape[-1])), "forward", module)
     out = F.linear(input, weight, bias)
     if not _enabled():
         return out

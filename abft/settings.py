@@ -12,7 +12,7 @@ class Settings:
     policy: str = "record"
     backend: str = "reference"
     sample_every: int = 1
-    tiles: tuple = (256, 256)          # (BM, BN) of the reference backend
+    tiles: tuple = None                # (BM, BN); None: the backend's own (reference 256 x 256)
     log_path: str = None               # JSONL sink; may contain {rank}
     on_alarm: object = None            # callable(Alarm)
     max_pending: int = 256             # verdicts queued before they resolve themselves
@@ -32,11 +32,14 @@ def _validate(s):
         raise ValueError(f"abft.config: policy must be one of {POLICIES}, got {s.policy!r}")
     if s.backend not in BACKENDS:
         raise ValueError(f"abft.config: backend must be one of {BACKENDS}, got {s.backend!r}")
-    if s.backend == "triton":
-        raise NotImplementedError("abft.config: the triton backend is not built yet; use 'reference'")
+    if s.backend in ("triton", "auto"):
+        try:
+            import triton  # noqa: F401
+        except ImportError as e:
+            raise ValueError(f"abft.config: backend {s.backend!r} needs triton ({e})") from e
     if not (isinstance(s.sample_every, int) and s.sample_every >= 1):
         raise ValueError(f"abft.config: sample_every must be an int >= 1, got {s.sample_every!r}")
-    bm, bn = s.tiles
+    bm, bn = s.tiles or (1, 1)
     if not (int(bm) >= 1 and int(bn) >= 1):
         raise ValueError(f"abft.config: tiles must be two positive ints, got {s.tiles!r}")
     if s.on_alarm is not None and not callable(s.on_alarm):
@@ -49,8 +52,8 @@ class config:
     """Set abft's settings. ``abft.config(policy="raise")`` sets them for the process;
     ``with abft.config(policy="raise"): ...`` sets them for the block and restores them after.
 
-    Keys: enabled, policy (record | warn | raise | recompute | correct), backend (reference;
-    triton and auto come with the kernel), sample_every, tiles=(BM, BN), log_path, on_alarm,
+    Keys: enabled, policy (record | warn | raise | recompute | correct), backend (reference |
+    triton | auto: triton on CUDA tensors; triton covers mm and linear), sample_every, tiles=(BM, BN), log_path, on_alarm,
     max_pending, max_pending_bytes, lam. The environment variable ABFT_DISABLE=1 starts the
     process with enabled=False.
     """
@@ -61,7 +64,7 @@ class config:
         unknown = set(changes) - names
         if unknown:
             raise TypeError(f"abft.config: unknown setting(s) {sorted(unknown)}; known: {sorted(names)}")
-        if "tiles" in changes:
+        if changes.get("tiles") is not None:
             changes["tiles"] = tuple(int(t) for t in changes["tiles"])
         new = replace(_settings, **changes)
         _validate(new)

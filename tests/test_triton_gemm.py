@@ -102,3 +102,25 @@ def test_nonfinite_inputs_are_unverified_and_checks_compile_out():
     assert (v[0, 0, :, L.STATUS] == L.UNVERIFIED).all()
     c, v, d = TG.checked_gemm(b, b, check=False)
     assert v is None and torch.allclose(c, b @ b, atol=1e-4)
+
+
+def test_triton_backend_through_the_api():
+    import abft
+    x, w, bias = torch.randn(2, 20, 48), torch.randn(40, 48), torch.randn(40)
+    with abft.config(backend="triton"):
+        y = abft.linear(x, w, bias)
+        torch.testing.assert_close(y, torch.nn.functional.linear(x, w, bias), rtol=1e-5, atol=1e-5)
+        with abft.scope(module="fc", step=3):
+            with abft.inject(row=25, col=7, kind="bitflip", bit=29):
+                abft.linear(x, w, bias)
+        (al,) = abft.flush()
+        assert (al.backend, al.module, al.batch, al.row, al.col) == ("triton", "fc", (1,), 5, 7)
+        with abft.config(policy="recompute"):
+            with abft.inject(row=3, col=4, kind="add", value=2.0):
+                out = abft.mm(x[0], w.t())
+        torch.testing.assert_close(out, x[0] @ w.t(), rtol=1e-5, atol=1e-5)
+        assert abft.alarms()[-1].persistence == "transient"
+        y.sum().backward() if y.requires_grad else None
+        xg = x.clone().requires_grad_()
+        abft.linear(xg, w, bias).sum().backward()          # grad_input through the kernel (mm)
+        assert abft.flush() == [] and xg.grad is not None
