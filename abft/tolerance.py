@@ -125,14 +125,18 @@ def sum_threshold(u, *, k, bs, sums, sq_sums, pred, qbound, nu, abs_sums=None, l
         addend_sq: (..., T, S) sums of the squared addend (addmm, linear bias) or None.
     """
     ua2, uc2 = u.acc ** 2, u.chk ** 2
-    prod = ua2 * k * (sq_sums / 9 + qbound / 6)
+    prod = (ua2 * k) * (sq_sums / 9 + qbound / 6)
     if u.tf:
         prod = prod + (2 * u.tf ** 2 / 3) * qbound
     if addend_sq is not None:
         prod = prod + (ua2 * k / 3) * addend_sq
     prod = prod + bs * k * u.eta_acc ** 2 / 3
-    check = uc2 * (k * (pred.square() / 9 + qbound / 6) + bs * (sums.square() / 9 + sq_sums / 6)
-                   + bs * qbound / 6)
+    # a corrupted sum may overflow its square; a legitimate one cannot while the inputs' terms are
+    # finite, so the clamp keeps a huge error an alarm rather than an unverified tile
+    sums_sq = sums.square().clamp(max=torch.finfo(sums.dtype).max)
+    # the small units multiply first: a clamped (huge) square must not overflow the sum
+    check = (uc2 * k) * (pred.square() / 9 + qbound / 6) + (uc2 * bs) * (sums_sq / 9 + sq_sums / 6
+                                                                        + qbound / 6)
     var = nu * prod + check
     thr = lam * var.sqrt() + rho(max(k, 1)) * (u.acc + u.chk) * pred.abs() + u.tiny
     if u.out:

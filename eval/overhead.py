@@ -100,12 +100,56 @@ def add_arguments(ap):
     ap.add_argument("--dtype", default="float32", choices=["float32", "float16", "bfloat16", "float64"])
     ap.add_argument("--device", default="cpu")
     ap.add_argument("--reps", type=int, default=0, help="pairs per shape (0: by size)")
+    ap.add_argument("--smoke", action="store_true",
+                    help="with --device cuda: run the kernel path on a tiny shape (under "
+                         "TRITON_INTERPRET=1 when no GPU is present)")
     ap.add_argument("--model", default=None,
                     help="package.module:factory returning (model, inputs) with model(*inputs) a "
                          "loss: time one training step plain vs protected")
 
 
+GPU_SHAPES = "4096x4096x4096,8192x8192x8192,16384x4096x4096,16384x4096x14336"
+
+
+def kernel_bench(args):
+    """The fused kernel on CUDA: checked, checks compiled out, torch.matmul (cuBLAS), plus a
+    correctness pass against float64. ``--smoke``: one tiny shape; without a GPU it runs on the
+    CPU through the Triton interpreter (TRITON_INTERPRET=1 must be set before triton loads)."""
+    import os
+    if args.smoke and not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    from abft.kernels.triton_gemm import checked_gemm
+    from abft.kernels import layout as L
+    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dtype = getattr(torch, "bfloat16" if args.dtype == "float32" and not args.smoke else args.dtype)
+    shapes = parse_shapes("64x64x64" if args.smoke else (args.shapes if args.shapes != DEFAULT_SHAPES else GPU_SHAPES))
+    print(f"| shape ({str(dtype).replace('torch.', '')}, {dev}) | torch ms | unchecked ms | checked ms | "
+          f"checked / unchecked | unchecked / torch | max err / torch's | alarms |")
+    print("|---|---|---|---|---|---|---|---|")
+    for kind, m, k, n in shapes:
+        g = torch.Generator().manual_seed(0)
+        a = torch.randn(m, k, generator=g).to(dtype=dtype, device=dev)
+        b = torch.randn(k, n, generator=g).to(dtype=dtype, device=dev)
+        c, v, _ = checked_gemm(a, b)
+        ref = a.double() @ b.double()
+        err = (c.double() - ref).abs().max().item() / max((torch.matmul(a, b).double() - ref).abs().max().item(), 1e-30)
+        alarms = int(((v[..., L.ROW_RATIO] > 1) | (v[..., L.COL_RATIO] > 1)).sum())
+        fns = {"torch": lambda: torch.matmul(a, b), "unchecked": lambda: checked_gemm(a, b, check=False),
+               "checked": lambda: checked_gemm(a, b)}
+        if dev == "cuda":
+            import triton
+            t = {name: triton.testing.do_bench(f) for name, f in fns.items()}
+        else:
+            t = {name: interleaved(f, f, 1)["plain_ms"] for name, f in fns.items()}
+        print(f"| {m}x{k}x{n} | {t['torch']:.3f} | {t['unchecked']:.3f} | {t['checked']:.3f} | "
+              f"{t['checked'] / t['unchecked']:.3f} | {t['unchecked'] / t['torch']:.3f} | {err:.2f} | {alarms} |",
+              flush=True)
+    return 0
+
+
 def main(args):
+    if args.device.startswith("cuda"):
+        return kernel_bench(args)
     dtype = getattr(torch, args.dtype)
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     print("| shape | plain ms | checked ms | checked / plain (median) | IQR |")

@@ -122,8 +122,12 @@ def _checked_gemm_kernel(
         kf = K * 1.0
         colsum = tl.sum(acc, 0)
         rowsum = tl.sum(acc, 1)
-        colsq = tl.sum(acc * acc, 0)
-        rowsq = tl.sum(acc * acc, 1)
+        # squares of a corrupted accumulator may overflow; clamped, a huge error stays an alarm
+        big = 3.4028234663852886e38
+        colsq = tl.minimum(tl.sum(acc * acc, 0), big)
+        rowsq = tl.minimum(tl.sum(acc * acc, 1), big)
+        colsum2 = tl.minimum(colsum * colsum, big)
+        rowsum2 = tl.minimum(rowsum * rowsum, big)
         colabs = tl.sum(tl.abs(acc), 0)
         rowabs = tl.sum(tl.abs(acc), 1)
         # repeated rows (columns) within the tile have identical errors
@@ -139,13 +143,14 @@ def _checked_gemm_kernel(
         bnf = BLOCK_N * 1.0
         u2 = u * u
         # column sums (over the tile's BM rows)
-        var_c = nu_m * (u2 * kf * (colsq / 9 + qc / 6) + (2.0 / 3.0) * ut2 * qc) \
-            + u2 * (kf * (pc * pc / 9 + qc / 6) + bmf * (colsum * colsum / 9 + colsq / 6) + bmf * qc / 6)
+        # the small units multiply first: a clamped (huge) square must not overflow the sum
+        var_c = nu_m * ((u2 * kf) * (colsq / 9 + qc / 6) + (2.0 / 3.0) * ut2 * qc) \
+            + (u2 * kf) * (pc * pc / 9 + qc / 6) + (u2 * bmf) * (colsum2 / 9 + colsq / 6 + qc / 6)
         thr_c = lam * tl.sqrt(var_c) + rho_k * 2 * u * tl.abs(pc) + tiny
         thr_c += tl.where(low_m & (blow > 0), ((kf / 2) * 2 * u + bmf * u) * colabs, 0.0)
         # row sums (over the tile's BN columns)
-        var_r = nu_n * (u2 * kf * (rowsq / 9 + qr / 6) + (2.0 / 3.0) * ut2 * qr) \
-            + u2 * (kf * (pr * pr / 9 + qr / 6) + bnf * (rowsum * rowsum / 9 + rowsq / 6) + bnf * qr / 6)
+        var_r = nu_n * ((u2 * kf) * (rowsq / 9 + qr / 6) + (2.0 / 3.0) * ut2 * qr) \
+            + (u2 * kf) * (pr * pr / 9 + qr / 6) + (u2 * bnf) * (rowsum2 / 9 + rowsq / 6 + qr / 6)
         thr_r = lam * tl.sqrt(var_r) + rho_k * 2 * u * tl.abs(pr) + tiny
         thr_r += tl.where(low_n & (alow > 0), ((kf / 2) * 2 * u + bnf * u) * rowabs, 0.0)
         if CAP:

@@ -34,3 +34,9 @@ def test_interleaved_reports_a_ratio():
 def test_bench_a_model_training_step(capsys):
     assert cli.main(["bench", "--model", "abft.eval.models:bench_gpt", "--reps", "2"]) == 0
     assert "train step abft.eval.models:bench_gpt" in capsys.readouterr().out
+
+
+def test_bench_cuda_smoke_runs_the_kernel_path(capsys):
+    assert cli.main(["bench", "--device", "cuda", "--smoke"]) == 0
+    out = capsys.readouterr().out
+    assert "| 64x64x64 |" in out and out.strip().endswith("| 0 |")

@@ -19,7 +19,8 @@ def _run(**inj):
 
 
 @pytest.mark.parametrize("kind,extra", [
-    ("bitflip", dict(bit=30)), ("bitflip", dict(bit=27)), ("bitflip", dict(bit=31)),
+    ("bitflip", dict(bit=30)), ("bitflip", dict(bit=29)), ("bitflip", dict(bit=27)),
+    ("bitflip", dict(bit=31)),
     ("value", dict(value=1e3)), ("add", dict(value=-0.5)), ("scale", dict(value=3.0)),
     ("zero", {}),
 ])

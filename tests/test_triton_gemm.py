@@ -59,7 +59,7 @@ def test_verdict_is_written_by_every_tile(monkeypatch):
     assert not torch.isnan(c).any() and v.shape == (2, 3, 3, L.NFIELDS)
 
 
-@pytest.mark.parametrize("kind,extra", [("bitflip", dict(bit=30)), ("bitflip", dict(bit=22)),
+@pytest.mark.parametrize("kind,extra", [("bitflip", dict(bit=30)), ("bitflip", dict(bit=29)), ("bitflip", dict(bit=22)),
                                         ("bitflip", dict(bit=31)), ("add", dict(value=0.5)),
                                         ("zero", {})])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=DT)
