@@ -93,7 +93,7 @@ def _use_triton(*ts):
 
 def _triton(pb, phase, module):
     fresh = run_checked(pb, lambda: TritonProblem(pb.op, pb.a, pb.b, pb.bias, pb.flat_rows, pb._finish),
-                        phase=phase, module=module, depth=5)
+                        phase=phase, module=module)
     return (fresh or pb).finish()
 
 
@@ -134,7 +134,7 @@ def _call_site():
     return (f.f_code.co_filename, f.f_lineno) if f is not None else None
 
 
-def _sample(op, phase, labels, depth):
+def _sample(op, phase, labels):
     s = _config.get()
     if s.sample_every == 1:
         return True
@@ -145,7 +145,7 @@ def _sample(op, phase, labels, depth):
     return n % s.sample_every == 0
 
 
-def run_checked(pb, recompute, *, phase="forward", module=None, depth=3):
+def run_checked(pb, recompute, *, phase="forward", module=None):
     """Check ``pb`` under the current policy; ``recompute()`` returns a fresh Problem.
     Returns None, or the recomputed Problem whose result replaces the caller's."""
     s = _config.get()
@@ -158,7 +158,7 @@ def run_checked(pb, recompute, *, phase="forward", module=None, depth=3):
     elif phase == "forward" and torch._C._current_graph_task_id() != -1:
         phase = "recompute"          # a forward run inside backward: activation checkpointing
     call_id = sc.next_call_id()
-    if not _sample(pb.op, phase, labels, depth):
+    if not _sample(pb.op, phase, labels):
         policy.count("sampled_out_calls")
         coverage.count(pb.op, labels.get("module"), "sampled_out")
         return None
@@ -237,7 +237,7 @@ def _check(pb, ctx, s):
 def _finish(op, out, make, phase="forward", module=None):
     """Shared tail of every op: check ``make(out)`` and return the (possibly recomputed) result."""
     pb = make(out)
-    fresh = run_checked(pb, lambda: make(pb.recompute()), phase=phase, module=module, depth=5)
+    fresh = run_checked(pb, lambda: make(pb.recompute()), phase=phase, module=module)
     return out if fresh is None else fresh.result
 
 
@@ -259,8 +259,7 @@ def matmul(a, b, *, op="matmul", phase="forward", module=None, a_rg=False, b_rg=
             return matmul(a.squeeze(0), b, op=op, phase=phase, module=module, a_rg=a_rg, b_rg=b_rg)
         return matmul(a, b.squeeze(0), op=op, phase=phase, module=module, a_rg=a_rg, b_rg=b_rg)
     pb = _matmul_problem(plan, a, b, op)
-    fresh = run_checked(pb, lambda: _matmul_problem(plan, a, b, op), phase=phase, module=module,
-                        depth=4)
+    fresh = run_checked(pb, lambda: _matmul_problem(plan, a, b, op), phase=phase, module=module)
     return (fresh or pb).finish()
 
 
@@ -397,4 +396,4 @@ def check_views(op, a, b, c, *, module=None, phase="forward"):
         raise RuntimeError(f"abft: {op} cannot be recomputed here")
     pb = Problem(op, a, b, c)
     pb.result, pb.recompute = c, again
-    run_checked(pb, lambda: again(), phase=phase, module=module, depth=4)
+    run_checked(pb, lambda: again(), phase=phase, module=module)
