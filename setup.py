@@ -11,7 +11,7 @@ setup(
     python_requires=">=3.10",
     packages=["abft", "abft.kernels", "abft.eval"],
     package_dir={"abft": "abft", "abft.kernels": "kernels", "abft.eval": "eval"},
-    install_requires=["torch>=2.4", "numpy"],
+    install_requires=["torch>=2.4", "numpy", "matplotlib"],
     extras_require={
         "triton": ["triton"],
         "test": ["pytest", "pytest-benchmark", "hypothesis", "transformers"],

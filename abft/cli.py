@@ -1,4 +1,5 @@
-"""The ``abft`` command: ``abft --version``, ``abft demo``, ``abft bench``."""
+"""The ``abft`` command: ``abft --version``, ``abft demo``, ``abft bench``, ``abft eval``,
+``abft report``."""
 import argparse
 import sys
 
@@ -38,6 +39,43 @@ def _demo(args):
     return 0 if located else 1
 
 
+def _eval(args):
+    import os
+    from abft.eval import campaign, report
+    try:
+        cfg = campaign.load(args.config)
+    except (ValueError, OSError) as e:
+        print(f"abft eval: {e}", file=sys.stderr)
+        return 2
+    if args.steps is not None:
+        cfg["train"]["steps"] = args.steps
+        campaign.validate(cfg)
+    try:
+        campaign.run(cfg, args.out, resume=args.resume, pairs=args.pairs,
+                     progress=not args.quiet)
+    except FileExistsError as e:
+        print(f"abft eval: {e}", file=sys.stderr)
+        return 2
+    if os.environ.get("RANK", "0") != "0":
+        return 0
+    s = report.build(args.out)
+    text = report.markdown(s)
+    print(text[:text.index("## Per bit class")] if not args.full else text)
+    print(f"run folder: {args.out} (report.md, report.json, {len(s['plots'])} plots, trials.jsonl)")
+    return 0
+
+
+def _report(args):
+    from abft.eval import report
+    try:
+        s = report.build(args.run_dir)
+    except FileNotFoundError as e:
+        print(f"abft report: {e}", file=sys.stderr)
+        return 2
+    print(report.markdown(s))
+    return 0
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="abft", description="Checked GEMMs against silent data corruption")
     ap.add_argument("--version", action="version", version=f"abft {__version__}")
@@ -49,7 +87,22 @@ def main(argv=None):
     bn = sub.add_parser("bench", help="overhead of checked against plain products (interleaved)")
     from abft.eval import overhead
     overhead.add_arguments(bn)
+    ev = sub.add_parser("eval", help="a detection-coverage campaign: paired replicas, faults, report")
+    ev.add_argument("config", nargs="?", help="campaign config (TOML or JSON); default: embedded")
+    ev.add_argument("--out", default="runs/eval", help="the run folder")
+    ev.add_argument("--resume", action="store_true", help="skip the trials already in --out")
+    ev.add_argument("--pairs", type=int, default=0,
+                    help="N > 0: N distributed replica pairs (2N gloo ranks on this machine)")
+    ev.add_argument("--steps", type=int, help="override train.steps")
+    ev.add_argument("--full", action="store_true", help="print the whole report")
+    ev.add_argument("--quiet", action="store_true", help="no progress bar")
+    rp = sub.add_parser("report", help="rebuild a run folder's report")
+    rp.add_argument("run_dir")
     args = ap.parse_args(argv)
+    if args.cmd == "eval":
+        return _eval(args)
+    if args.cmd == "report":
+        return _report(args)
     if args.cmd == "demo":
         return _demo(args)
     if args.cmd == "bench":

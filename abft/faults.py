@@ -4,8 +4,10 @@ inside the GEMM would, so tests and the evaluation exercise the path a real faul
     >>> with abft.inject(call_id=0, pattern="element", row=3, col=5, kind="bitflip", bit=30):
     ...     c = abft.matmul(a, b)          # C[3, 5] has bit 30 flipped before the check
 
-Patterns: ``element`` (row, col), ``row``, ``column``, ``tile`` (bm x bn from row, col).
-Kinds: ``bitflip`` (bit of the stored dtype), ``value`` (set), ``add``, ``scale``, ``zero``.
+Patterns: ``element`` (row, col), ``row``, ``column``, ``tile`` (bm x bn from row, col),
+``strided`` (row, every ``stride``-th column from col: a warp-aligned repeat).
+Kinds: ``bitflip`` (bit of the stored dtype, or a tuple of bits), ``value`` (set), ``add``,
+``scale``, ``zero``.
 Choose the call by ``call_id`` and/or ``when(ctx)``, a predicate on a ``CallContext``
 (op, phase, labels, call_id, shape, attempt). ``batch`` indexes the product's leading dims
 (default: the first element of a batched product).
@@ -18,7 +20,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-PATTERNS = ("element", "row", "column", "tile")
+PATTERNS = ("element", "row", "column", "tile", "strided")
 KINDS = ("bitflip", "value", "add", "scale", "zero")
 
 _INT_VIEW = {torch.float64: torch.int64, torch.float32: torch.int32,
@@ -34,6 +36,7 @@ class CallContext:
     shape: tuple
     dtype: torch.dtype
     attempt: int = 0
+    verdict: object = None      # set after the check: the verdict tensor (for the evaluation)
 
     @property
     def module(self):
@@ -52,6 +55,7 @@ class Injection:
     bit: int = None
     value: float = 0.0
     size: tuple = (16, 16)
+    stride: int = 32
     times: object = 1
     persistent: bool = False
     hits: list = field(default_factory=list)
@@ -75,6 +79,8 @@ class Injection:
             return slice(self.row, self.row + 1), slice(0, n)
         if self.pattern == "column":
             return slice(0, m), slice(self.col, self.col + 1)
+        if self.pattern == "strided":
+            return slice(self.row, self.row + 1), slice(self.col, n, self.stride)
         return slice(self.row, self.row + self.size[0]), slice(self.col, self.col + self.size[1])
 
     def apply(self, c, ctx):
@@ -88,14 +94,15 @@ class Injection:
                              f"outside the product of shape {tuple(c.shape)}")
         with torch.no_grad():
             if self.kind == "bitflip":
-                bits = view.view(_INT_VIEW[c.dtype])
                 width = torch.finfo(c.dtype).bits
-                if not 0 <= self.bit < width:
-                    raise ValueError(f"abft.inject: bit {self.bit} outside 0..{width - 1} for {c.dtype}")
-                mask = 1 << self.bit
-                if mask >= 1 << (width - 1):
-                    mask -= 1 << width          # the sign bit as a signed int
-                bits ^= mask
+                mask = flip_mask(self.bit, width, c.dtype)
+                if view.is_contiguous():
+                    bits = view.view(_INT_VIEW[c.dtype])
+                    bits ^= mask
+                else:                           # a strided slice: flip a copy and write it back
+                    bits = view.contiguous().view(_INT_VIEW[c.dtype])
+                    bits ^= mask
+                    view.copy_(bits.view(c.dtype))
             elif self.kind == "value":
                 view.fill_(self.value)
             elif self.kind == "add":
@@ -107,6 +114,18 @@ class Injection:
         self.hits.append(ctx)
 
 
+def flip_mask(bit, width, dtype=None):
+    """The signed-integer XOR mask of ``bit`` (an int or a tuple of ints) in a ``width``-bit word."""
+    mask = 0
+    for b in (bit,) if isinstance(bit, int) else tuple(bit):
+        if not 0 <= b < width:
+            raise ValueError(f"abft.inject: bit {b} outside 0..{width - 1} for {dtype}")
+        mask |= 1 << b
+    if mask >= 1 << (width - 1):
+        mask -= 1 << width                      # the sign bit as a signed int
+    return mask
+
+
 _lock = threading.Lock()
 _active = []
 
@@ -116,15 +135,18 @@ class inject:
     ``.hits`` lists the CallContext of every corrupted call."""
 
     def __init__(self, call_id=None, when=None, *, pattern="element", kind="bitflip", row=0, col=0,
-                 batch=(), bit=None, value=0.0, size=(16, 16), times=1, persistent=False):
+                 batch=(), bit=None, value=0.0, size=(16, 16), stride=32, times=1,
+                 persistent=False):
         if pattern not in PATTERNS:
             raise ValueError(f"abft.inject: pattern must be one of {PATTERNS}, got {pattern!r}")
         if kind not in KINDS:
             raise ValueError(f"abft.inject: kind must be one of {KINDS}, got {kind!r}")
         if kind == "bitflip" and bit is None:
             raise ValueError("abft.inject: kind='bitflip' needs bit=")
+        if isinstance(bit, (list, tuple)):
+            bit = tuple(int(b) for b in bit)
         self.injection = Injection(call_id, when, pattern, kind, row, col, tuple(batch), bit,
-                                   value, tuple(size), times, persistent)
+                                   value, tuple(size), int(stride), times, persistent)
 
     @property
     def hits(self):
@@ -170,8 +192,13 @@ def kernel_injection(ctx):
             if inj.pattern != "element" or inj.kind not in ("bitflip", "add", "zero"):
                 raise NotImplementedError("abft.inject: the triton backend injects element bit "
                                           "flips, adds and zeroing only")
+            bit = inj.bit or 0
+            if isinstance(bit, tuple):
+                if len(bit) != 1:
+                    raise NotImplementedError("abft.inject: the triton backend flips one bit")
+                bit = bit[0]
             inj.hits.append(ctx)
             batch = inj.batch[0] if inj.batch else 0
             return dict(kind=inj.kind, batch=batch, row=inj.row, col=inj.col, k_step=0,
-                        bit=inj.bit or 0, value=inj.value)
+                        bit=bit, value=inj.value)
     return None

@@ -1,6 +1,17 @@
-"""A small GPT-style decoder: pre-norm blocks, multi-head attention through ``torch.matmul``
-(so ``abft.checked()`` sees its products) and an MLP through ``nn.Linear`` (so ``abft.protect``
-swaps it)."""
+"""A small GPT-style decoder and the training job the evaluation runs on.
+
+The decoder: pre-norm blocks, multi-head attention whose two products are ``torch.matmul`` calls
+in their own submodules (``attn.scores``, ``attn.context``: ``abft.checked()`` checks them and the
+evaluation syncs them one by one), softmax and GELU as submodules too (the non-GEMM fault sites),
+and ``nn.Linear`` layers (``abft.protect`` swaps them).
+
+The job (``Task``): a seeded synthetic corpus made in code for pretraining (digit strings, each
+followed by a separator and either its copy or its reversal, at random) and a fine-tuning task
+with an accuracy metric (always the reversal). Pretraining leaves the model guessing between the
+two (about half right); the fine-tune teaches it which. Accuracy is exact
+match of the whole reversed string under teacher forcing, which equals greedy decoding's: all
+argmaxes right means greedy decoding follows the same path.
+"""
 import math
 from dataclasses import dataclass
 
@@ -18,11 +29,29 @@ class GPTConfig:
     mlp_ratio: int = 4
 
 
+class MatMul(nn.Module):
+    """``torch.matmul(a, b)`` as a submodule, so a sync point and a label can sit on it."""
+
+    def forward(self, a, b):
+        return torch.matmul(a, b)
+
+
+class Softmax(nn.Module):
+    def forward(self, x):
+        return x.softmax(-1)
+
+
+class GELU(nn.Module):
+    def forward(self, x):
+        return torch.nn.functional.gelu(x)
+
+
 class Attention(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.heads = cfg.heads
         self.qkv = nn.Linear(cfg.dim, 3 * cfg.dim)
+        self.scores, self.softmax, self.context = MatMul(), Softmax(), MatMul()
         self.proj = nn.Linear(cfg.dim, cfg.dim)
         self.register_buffer("mask", torch.ones(cfg.block, cfg.block, dtype=torch.bool).tril(),
                              persistent=False)
@@ -30,9 +59,9 @@ class Attention(nn.Module):
     def forward(self, x):
         b, t, d = x.shape
         q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        att = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(d // self.heads)
-        att = att.masked_fill(~self.mask[:t, :t], float("-inf")).softmax(-1)
-        y = torch.matmul(att, v).transpose(1, 2).reshape(b, t, d)
+        att = self.scores(q, k.transpose(-2, -1)) / math.sqrt(d // self.heads)
+        att = self.softmax(att.masked_fill(~self.mask[:t, :t], float("-inf")))
+        y = self.context(att, v).transpose(1, 2).reshape(b, t, d)
         return self.proj(y)
 
 
@@ -40,10 +69,11 @@ class MLP(nn.Module):
     def __init__(self, cfg):
         super().__init__()
         self.fc = nn.Linear(cfg.dim, cfg.mlp_ratio * cfg.dim)
+        self.act = GELU()
         self.out = nn.Linear(cfg.mlp_ratio * cfg.dim, cfg.dim)
 
     def forward(self, x):
-        return self.out(torch.nn.functional.gelu(self.fc(x)))
+        return self.out(self.act(self.fc(x)))
 
 
 class Block(nn.Module):
@@ -75,7 +105,51 @@ class GPT(nn.Module):
         logits = self.head(self.ln(x))
         if targets is None:
             return logits
-        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten())
+        return torch.nn.functional.cross_entropy(logits.flatten(0, 1), targets.flatten(),
+                                                 ignore_index=IGNORE)
+
+
+IGNORE = -100
+
+
+@dataclass
+class Task:
+    """The corpus (``kind="corpus"``) and the reversal task (``kind="reverse"``) on
+    ``digits``-long digit strings.
+
+    A sequence is ``x SEP y``: for the corpus ``y`` is x or x reversed, one or the other at random
+    (loss on every next token); for the task ``y`` is x reversed (loss and accuracy on ``y``
+    only). Vocabulary: 0..9 and SEP = 10.
+    """
+    digits: int = 4
+
+    SEP = 10
+    vocab = 11
+
+    @property
+    def block(self):
+        return 2 * self.digits
+
+    def batch(self, gen, size, kind="reverse"):
+        """(inputs, targets) for ``size`` sequences drawn from the generator ``gen``."""
+        x = torch.randint(0, 10, (size, self.digits), generator=gen)
+        if kind == "reverse":
+            y = x.flip(1)
+        else:
+            y = torch.where(torch.rand(size, 1, generator=gen) < 0.5, x.flip(1), x)
+        seq = torch.cat([x, torch.full((size, 1), self.SEP), y], 1)
+        inp, tgt = seq[:, :-1], seq[:, 1:].clone()
+        if kind == "reverse":
+            tgt[:, :self.digits] = IGNORE
+        return inp, tgt
+
+    def accuracy(self, model, seed=12345, size=512):
+        """Exact-match accuracy on ``size`` held-out reversals (no grad)."""
+        inp, tgt = self.batch(torch.Generator().manual_seed(seed), size)
+        with torch.no_grad():
+            pred = model(inp).argmax(-1)
+        ok = ((pred == tgt) | (tgt == IGNORE)).all(1)
+        return ok.float().mean().item()
 
 
 def bench_gpt():

@@ -48,7 +48,7 @@ def test_protected_and_checked_training_is_bit_identical():
     cov = {(r["op"], r["module"]): r for r in abft.coverage()}
     # every Linear: 3 steps x (forward, grad_input, grad_weight); attention products: forward + 2 grads
     assert cov[("linear", "blocks.0.mlp.fc")]["checked"] == 9
-    assert cov[("matmul", "blocks.1.attn")]["checked"] == 3 * 2 * 3
+    assert cov[("matmul", "blocks.1.attn.scores")]["checked"] == 3 * 3
     assert cov[("linear", "head")]["checked"] == 9
     for p in prot.parameters():
         assert p.grad is not None
@@ -56,8 +56,8 @@ def test_protected_and_checked_training_is_bit_identical():
 
 @pytest.mark.parametrize("module,op,phase", [
     ("blocks.0.mlp.fc", "linear", "forward"), ("blocks.1.mlp.out", "linear", "grad_input"),
-    ("blocks.0.attn.qkv", "linear", "grad_weight"), ("blocks.1.attn", "matmul", "forward"),
-    ("blocks.0.attn", "matmul", "grad_a"), ("blocks.0.attn", "matmul", "grad_b")])
+    ("blocks.0.attn.qkv", "linear", "grad_weight"), ("blocks.1.attn.scores", "matmul", "forward"),
+    ("blocks.0.attn.context", "matmul", "grad_a"), ("blocks.0.attn.scores", "matmul", "grad_b")])
 def test_fault_in_each_phase_of_the_model_is_labelled(module, op, phase):
     torch.manual_seed(0)
     model = GPT(CFG)

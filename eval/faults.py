@@ -1,0 +1,381 @@
+"""Fault models for the evaluation: sites, corruptions, spatial patterns, timing, node profiles.
+
+A ``Profile`` is one unhealthy node: how often it corrupts (``rate``), when (``timing``:
+``transient`` faults at random steps, ``intermittent`` bursts after long quiet stretches from a
+delayed ``onset``, ``permanent`` from ``onset`` on, the same unit every step), where (``sites``),
+how (``kinds``, ``bits``, ``multi_bit``) and in what shape (``patterns``). The default mix of
+corruptions follows NVIDIA's gate-level study of GPU SDC (DSN'26): zeroing about half of the
+outcomes, bit flips most of the rest, NaN/Inf about 1%, single-bit flips under 40% of flips.
+
+``schedule`` draws a trial's ``FaultEvent`` list from a profile with a seeded RNG: at most one
+event per step, so every mismatch and alarm of a step belongs to that step's event. ``Armed``
+installs one event on the faulty replica for the duration of one micro-step and records what was
+really corrupted (``event.applied``), which is the ground truth the cross-check scores against.
+
+Sites (``phase`` in brackets):
+- ``gemm_accumulator`` (forward, and both backward GEMMs): through ``abft.inject``, the product
+  is corrupted before its check, as a fault in the GEMM's arithmetic would.
+- ``gemm_operand`` (forward: the input activation; backward: the incoming gradient, which both
+  backward GEMMs read): corrupted in memory before the GEMM reads it.
+- ``gemm_output`` (forward, grad_input / grad_a, grad_weight): after the check.
+- ``weight_memory``: a weight matrix at rest, changed through ``.data`` (no version bump), before
+  micro-step ``micro_step``'s forward: at 0 the next forward takes fresh checksums, later ones
+  find checksums cached from the step's first forward.
+- ``optimizer_state``: an Adam moment at rest, before the step.
+- ``nongemm_op``: the output of a softmax, layer norm or GELU.
+- ``gradient_comm``: a parameter gradient after backward, as a faulty all-reduce would leave it.
+"""
+import math
+import random
+from dataclasses import asdict, dataclass, field
+
+import torch
+
+from abft import faults as _hook
+from abft.kernels import layout as L
+
+SITES = ("gemm_accumulator", "gemm_operand", "gemm_output", "weight_memory", "optimizer_state",
+         "nongemm_op", "gradient_comm")
+GEMM_SITES = SITES[:3]
+KINDS = ("zero", "bitflip", "signflip", "nonfinite", "scale", "noise")
+BIT_CLASSES = ("sign", "exponent_msb", "exponent", "mantissa_high", "mantissa_low")
+PATTERNS = ("element", "row", "column", "strided", "tile")
+TIMINGS = ("transient", "intermittent", "permanent")
+PHASES = ("forward", "backward")
+
+# outcome mix after the DSN'26 gate-level study (see the module docstring)
+DEFAULT_KINDS = {"zero": 0.48, "bitflip": 0.42, "signflip": 0.04, "nonfinite": 0.01,
+                 "scale": 0.03, "noise": 0.02}
+DEFAULT_BITS = {"sign": 1, "exponent_msb": 1, "exponent": 7, "mantissa_high": 7, "mantissa_low": 16}
+
+
+def bit_classes(dtype=torch.float32):
+    """Bit positions of each class for a floating dtype (fp32: sign 31, exponent MSB 30, exponent
+    23-29, high mantissa 16-22, low mantissa 0-15)."""
+    width = torch.finfo(dtype).bits
+    nmant = {64: 52, 32: 23}.get(width, 10 if dtype == torch.float16 else 7)
+    high = max(0, nmant - 7)
+    return {"sign": [width - 1], "exponent_msb": [width - 2], "exponent": list(range(nmant, width - 2)),
+            "mantissa_high": list(range(high, nmant)), "mantissa_low": list(range(0, high))}
+
+
+def bit_class(bit, dtype=torch.float32):
+    for name, bits in bit_classes(dtype).items():
+        if bit in bits:
+            return name
+    raise ValueError(f"bit {bit} outside {dtype}")
+
+
+@dataclass
+class Profile:
+    """One node's fault behaviour. Weights (``sites``, ``kinds``, ...) need not sum to 1."""
+    name: str
+    rate: float = 0.2
+    timing: str = "transient"
+    onset: int = 0
+    burst: int = 3
+    quiet: int = 15
+    sites: dict = field(default_factory=lambda: {"gemm_accumulator": 1.0})
+    kinds: dict = field(default_factory=lambda: dict(DEFAULT_KINDS))
+    bits: dict = field(default_factory=lambda: dict(DEFAULT_BITS))
+    multi_bit: float = 0.6
+    patterns: dict = field(default_factory=lambda: {"element": 1.0})
+    phases: dict = field(default_factory=lambda: {"forward": 1.0, "backward": 1.0})
+    scale: tuple = (1e-3, 1e3)
+    noise: tuple = (1e-4, 1.0)
+
+    def validate(self, where="profile"):
+        def check(name, weights, allowed):
+            if not isinstance(weights, dict) or not weights:
+                raise ValueError(f"{where}.{name}: a table of weights over {allowed}")
+            for k, v in weights.items():
+                if k not in allowed:
+                    raise ValueError(f"{where}.{name}: unknown {k!r}; one of {allowed}")
+                if not isinstance(v, (int, float)) or v < 0:
+                    raise ValueError(f"{where}.{name}.{k}: a weight >= 0, got {v!r}")
+            if sum(weights.values()) <= 0:
+                raise ValueError(f"{where}.{name}: the weights sum to 0")
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"{where}.name: a non-empty string")
+        if not isinstance(self.rate, (int, float)) or not 0 <= self.rate <= 1:
+            raise ValueError(f"{where}.rate: a probability in [0, 1], got {self.rate!r}")
+        if self.timing not in TIMINGS:
+            raise ValueError(f"{where}.timing: one of {TIMINGS}, got {self.timing!r}")
+        for name in ("onset", "burst", "quiet"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0 or (name == "burst" and v < 1):
+                raise ValueError(f"{where}.{name}: a whole number >= {int(name == 'burst')}, got {v!r}")
+        check("sites", self.sites, SITES)
+        check("kinds", self.kinds, KINDS)
+        check("bits", self.bits, BIT_CLASSES)
+        check("patterns", self.patterns, PATTERNS)
+        check("phases", self.phases, PHASES)
+        if not 0 <= self.multi_bit <= 1:
+            raise ValueError(f"{where}.multi_bit: a probability in [0, 1], got {self.multi_bit!r}")
+        for name in ("scale", "noise"):
+            v = tuple(getattr(self, name))
+            if len(v) != 2 or not 0 < v[0] <= v[1]:
+                raise ValueError(f"{where}.{name}: [low, high] with 0 < low <= high, got {v!r}")
+        return self
+
+
+@dataclass
+class FaultEvent:
+    """One fault, as drawn (site, target, corruption) and as applied (``applied``)."""
+    id: int
+    step: int
+    micro_step: int
+    site: str
+    module: str          # the module (or, at rest, the parameter's module)
+    phase: str           # forward | grad_input | grad_weight | grad_a | grad_b | backward | rest
+    kind: str
+    pattern: str
+    bits: list = None
+    urow: float = 0.0    # position as fractions of the target's rows and columns
+    ucol: float = 0.0
+    factor: float = None
+    param: str = None    # weight_memory, optimizer_state, gradient_comm, gemm_output/grad_weight
+    state: str = None    # optimizer_state: exp_avg | exp_avg_sq
+    applied: list = field(default_factory=list)
+
+    def to_dict(self):
+        return asdict(self)
+
+    @property
+    def bit_class(self):
+        return bit_class(self.bits[0]) if self.bits else None
+
+
+def _pick(rng, weights):
+    keys = [k for k, w in weights.items() if w > 0]
+    return rng.choices(keys, [weights[k] for k in keys])[0]
+
+
+def _loguniform(rng, lo, hi):
+    return math.exp(rng.uniform(math.log(lo), math.log(hi)))
+
+
+def targets(model):
+    """What each site can hit in ``model``: GEMM modules (name -> linear | matmul), non-GEMM
+    modules, and weight matrices (parameter name -> module name)."""
+    from abft.eval.models import GELU, MatMul, Softmax
+    gemm, other = {}, []
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear):
+            gemm[name] = "linear"
+        elif isinstance(mod, MatMul):
+            gemm[name] = "matmul"
+        elif isinstance(mod, (Softmax, GELU, torch.nn.LayerNorm)):
+            other.append(name)
+    weights = {n: n.rpartition(".")[0] for n, p in model.named_parameters() if p.dim() == 2}
+    return {"gemm": gemm, "nongemm": other, "weights": weights}
+
+
+def _draw(profile, rng, tg, micro_steps):
+    """One fault's site, target and corruption (without step)."""
+    site = _pick(rng, profile.sites)
+    ev = dict(site=site, micro_step=rng.randrange(micro_steps), param=None, state=None)
+    if site in GEMM_SITES:
+        module = rng.choice(sorted(tg["gemm"]))
+        op = tg["gemm"][module]
+        fwd = _pick(rng, profile.phases) == "forward"
+        if site == "gemm_accumulator":
+            phase = "forward" if fwd else rng.choice(
+                ("grad_input", "grad_weight") if op == "linear" else ("grad_a", "grad_b"))
+        elif site == "gemm_operand":
+            phase = "forward" if fwd else "backward"
+        else:
+            phase = "forward" if fwd else rng.choice(
+                ("grad_input", "grad_weight") if op == "linear" else ("grad_a",))
+            if phase == "grad_weight":
+                ev["param"] = module + ".weight"
+        ev.update(module=module, phase=phase)
+    elif site == "nongemm_op":
+        ev.update(module=rng.choice(sorted(tg["nongemm"])), phase="forward")
+    else:
+        param = rng.choice(sorted(tg["weights"]))
+        ev.update(module=tg["weights"][param], param=param, phase="rest")
+        if site == "optimizer_state":
+            ev.update(state=rng.choice(("exp_avg", "exp_avg_sq")), micro_step=0)
+        elif site == "gradient_comm":
+            ev.update(phase="backward", micro_step=micro_steps - 1)
+    kind = _pick(rng, profile.kinds)
+    ev.update(kind=kind, pattern=_pick(rng, profile.patterns), urow=rng.random(), ucol=rng.random())
+    if kind == "bitflip":
+        pool = bit_classes()[_pick(rng, {k: v for k, v in profile.bits.items() if bit_classes()[k]})]
+        n = rng.choice((2, 3)) if rng.random() < profile.multi_bit and len(pool) > 1 else 1
+        ev["bits"] = sorted(rng.sample(pool, min(n, len(pool))))
+    elif kind == "signflip":
+        ev["bits"] = bit_classes()["sign"]
+    elif kind == "nonfinite":
+        ev["factor"] = rng.choice((math.nan, math.inf, -math.inf))
+    elif kind == "scale":
+        ev["factor"] = _loguniform(rng, *profile.scale) * rng.choice((1, -1))
+    elif kind == "noise":
+        ev["factor"] = _loguniform(rng, *profile.noise)
+    return ev
+
+
+def schedule(profile, steps, micro_steps, tg, seed):
+    """The trial's fault events, at most one per step, drawn from ``profile`` with ``seed``."""
+    rng = random.Random(seed)
+    if profile.rate <= 0:
+        return []
+    if profile.timing == "transient":
+        on = [s for s in range(profile.onset, steps) if rng.random() < profile.rate]
+    elif profile.timing == "permanent":
+        on = list(range(profile.onset, steps))
+    else:
+        on, s = [], profile.onset
+        while s < steps:
+            on += [t for t in range(s, min(s + profile.burst, steps)) if rng.random() < profile.rate]
+            s += profile.burst + max(1, round(rng.expovariate(1 / max(profile.quiet, 1))))
+    events, fixed = [], None
+    for i, s in enumerate(on):
+        if profile.timing == "permanent":
+            fixed = fixed or _draw(profile, rng, tg, micro_steps)     # one stuck unit
+            ev = dict(fixed)
+        elif profile.timing == "intermittent" and events and s - events[-1].step == 1:
+            ev = dict(_draw(profile, rng, tg, micro_steps))           # a burst: same unit,
+            last = events[-1]                                         # a new corruption
+            ev.update(site=last.site, module=last.module, phase=last.phase, param=last.param,
+                      state=last.state, micro_step=last.micro_step)
+        else:
+            ev = _draw(profile, rng, tg, micro_steps)
+        events.append(FaultEvent(id=i, step=s, **ev))
+    return events
+
+
+# ---------------------------------------------------------------- applying one event
+
+def injection(ev, shape, dtype):
+    """The ``abft.faults.Injection`` that makes ``ev``'s corruption on a (..., M, N) tensor."""
+    m, n = (shape[-2], shape[-1]) if len(shape) >= 2 else (1, shape[-1])
+    row, col = min(int(ev.urow * m), m - 1), min(int(ev.ucol * n), n - 1)
+    kw = dict(pattern=ev.pattern, row=row, col=col, size=(min(16, m - row), min(16, n - col)),
+              stride=32)
+    if ev.pattern in ("row", "strided"):
+        kw["col"] = col if ev.pattern == "strided" else 0
+    if ev.pattern == "column":
+        kw["row"] = 0
+    if ev.kind in ("bitflip", "signflip"):
+        bits = tuple(ev.bits)
+        if ev.kind == "signflip":
+            bits = (torch.finfo(dtype).bits - 1,)
+        return _hook.Injection(kind="bitflip", bit=bits, **kw)
+    if ev.kind == "zero":
+        return _hook.Injection(kind="zero", **kw)
+    if ev.kind == "nonfinite":
+        return _hook.Injection(kind="value", value=ev.factor, **kw)
+    if ev.kind == "scale":
+        return _hook.Injection(kind="scale", value=ev.factor, **kw)
+    z = random.Random(ev.id * 7919 + ev.step).gauss(0.0, 1.0)
+    return _hook.Injection(kind="scale", value=1.0 + ev.factor * z, **kw)
+
+
+def _record(ev, shape, inj, before=None, after=None):
+    rec = {"shape": list(shape), "row": inj.row, "col": inj.col}
+    if before is not None:
+        d = (after.double() - before.double()).abs()
+        changed = (after.view(torch.int32) != before.view(torch.int32)) if after.dtype == torch.float32 \
+            else (after != before)
+        rec["changed"] = int(changed.sum())
+        finite = d[torch.isfinite(d)]
+        rec["max_abs_error"] = float(finite.max()) if finite.numel() else 0.0
+        rec["nonfinite"] = int((~torch.isfinite(after)).sum() - (~torch.isfinite(before)).sum())
+    ev.applied.append(rec)
+
+
+def corrupt(ev, t):
+    """Corrupt ``t`` in place with ``ev``'s corruption (its first batch element for >2-D)."""
+    view = t.view(1, -1) if t.dim() == 1 else t
+    inj = injection(ev, view.shape, t.dtype)
+    before = t.detach().clone()
+    with torch.no_grad():
+        inj.apply(view, None)
+    _record(ev, t.shape, inj, before, t.detach())
+    return t
+
+
+class _Replace(torch.autograd.Function):
+    """Forward: a corrupted copy of x; backward: the gradient unchanged (the fault is in the
+    value, not in the graph)."""
+
+    @staticmethod
+    def forward(ctx, x, fn):
+        return fn(x.detach().clone())
+
+    @staticmethod
+    def backward(ctx, g):
+        return g, None
+
+
+class Armed:
+    """Installs ``ev`` on the faulty replica for one micro-step; ``disarm()`` removes it."""
+
+    def __init__(self, ev, model, optimizer, params):
+        self.ev, self.handles, self.hook = ev, [], None
+        mod = dict(model.named_modules()).get(ev.module)
+        site, phase = ev.site, ev.phase
+        if site == "gemm_accumulator":
+            self.hook = _hook.inject(when=self._match, kind="zero").start()
+        elif site == "gemm_operand" and phase == "forward":
+            self.handles.append(mod.register_forward_pre_hook(self._operand, prepend=True))
+        elif site == "gemm_operand":
+            self.handles.append(mod.register_full_backward_pre_hook(self._grad_output, prepend=True))
+        elif site in ("gemm_output", "nongemm_op") and phase == "forward":
+            self.handles.append(mod.register_forward_hook(self._output, prepend=True))
+        elif site == "gemm_output" and phase in ("grad_input", "grad_a"):
+            self.handles.append(mod.register_full_backward_hook(self._grad_input, prepend=True))
+        elif site == "gemm_output":
+            self.handles.append(params[ev.param].register_hook(lambda g: corrupt(ev, g.clone())))
+        elif site == "weight_memory":
+            corrupt(ev, params[ev.param].data)
+        elif site == "optimizer_state":
+            state = optimizer.state.get(params[ev.param], {})
+            if ev.state in state:                     # no moments before the first step
+                corrupt(ev, state[ev.state].data)
+
+    def _match(self, ctx):
+        if ctx.module != self.ev.module or ctx.phase != self.ev.phase or ctx.attempt:
+            return False
+        if ctx.labels.get("replica") != "F":
+            return False
+        inj = injection(self.ev, ctx.shape, ctx.dtype)
+        slot = self.hook.injection
+        for name in ("pattern", "kind", "row", "col", "bit", "value", "size", "stride"):
+            setattr(slot, name, getattr(inj, name))
+        _record(self.ev, ctx.shape, inj)
+        return True
+
+    def _operand(self, mod, args):
+        return (_Replace.apply(args[0], lambda x: corrupt(self.ev, x)),) + tuple(args[1:])
+
+    def _grad_output(self, mod, grad_output):
+        return (corrupt(self.ev, grad_output[0].clone()),) + tuple(grad_output[1:])
+
+    def _output(self, mod, args, out):
+        return _Replace.apply(out, lambda x: corrupt(self.ev, x))
+
+    def _grad_input(self, mod, grad_input, grad_output):
+        if grad_input[0] is None:
+            return None
+        return (corrupt(self.ev, grad_input[0].clone()),) + tuple(grad_input[1:])
+
+    def grads(self, params):
+        """The ``gradient_comm`` corruption, after backward."""
+        if self.ev.site == "gradient_comm" and params[self.ev.param].grad is not None:
+            corrupt(self.ev, params[self.ev.param].grad.data)
+
+    def disarm(self):
+        for h in self.handles:
+            h.remove()
+        self.handles = []
+        if self.hook is not None:
+            self.hook.stop()
+            for ctx, rec in zip(self.hook.hits, self.ev.applied):
+                v = ctx.verdict
+                if v is not None:   # the check's worst residual / threshold on this product
+                    rec["ratio"] = float(torch.maximum(v[..., L.ROW_RATIO], v[..., L.COL_RATIO]).max())
+                    rec["status"] = float(v[..., L.STATUS].max())
+            self.hook = None

@@ -1,0 +1,239 @@
+"""Replica pairs of one deterministic training run: a healthy replica (H) and a faulty one (F).
+
+``run_trial`` runs one trial: both replicas start from the same pretrained state, fine-tune on the
+same batches with the same optimizer, every GEMM checked (``abft.protect`` plus ``abft.checked``),
+each in its own ``abft.scope`` (replica, step, micro_step) with its own ``AlarmLog``; F gets the
+trial's fault events; the sync points of ``eval/sync.py`` compare them.
+
+Two ways to pair:
+- in one process (``run_trial(..., link=None)``): H's step runs first and queues its tensors at
+  each sync point, then F's step replays them;
+- two ranks of ``torch.distributed`` (``run_trial(..., link=DistLink(h_rank, group), role=...)``):
+  each rank runs its replica and every sync point is a broadcast from H's rank. ``spawn_pairs``
+  starts ``2 x pairs`` ranks on this machine (gloo), ``torchrun`` works too (``abft eval``
+  notices the environment); several pairs run different trials at once.
+"""
+import os
+import time
+from dataclasses import asdict, dataclass
+
+import torch
+
+import abft
+from abft.alarms import AlarmLog
+from abft.eval import faults as F
+from abft.eval.models import GPT, GPTConfig, Task
+from abft.eval.sync import LocalLink, Sync
+
+
+@dataclass
+class TrainConfig:
+    """The training job: model size, pretraining (fault-free, shared by every trial) and the
+    fine-tune each trial runs."""
+    digits: int = 4
+    dim: int = 32
+    layers: int = 2
+    heads: int = 4
+    batch: int = 32
+    micro_steps: int = 2
+    lr: float = 5e-3
+    pretrain_steps: int = 200
+    steps: int = 30
+    seed: int = 0
+
+    def validate(self, where="train"):
+        for k, v in asdict(self).items():
+            if k == "lr":
+                if not isinstance(v, (int, float)) or not v > 0:
+                    raise ValueError(f"{where}.lr: a number > 0, got {v!r}")
+            elif not isinstance(v, int) or v < (0 if k in ("seed", "pretrain_steps") else 1):
+                raise ValueError(f"{where}.{k}: a whole number >= 1, got {v!r}")
+        if self.dim % self.heads:
+            raise ValueError(f"{where}.dim: a multiple of heads ({self.heads}), got {self.dim}")
+        if self.batch % self.micro_steps:
+            raise ValueError(f"{where}.batch: a multiple of micro_steps ({self.micro_steps})")
+        return self
+
+    @property
+    def task(self):
+        return Task(self.digits)
+
+    def model(self):
+        t = self.task
+        return GPT(GPTConfig(vocab=t.vocab, block=t.block, layers=self.layers, heads=self.heads,
+                             dim=self.dim))
+
+
+def pretrain(cfg):
+    """The fault-free pretrained state (the corpus), deterministic in ``cfg.seed``; plain torch."""
+    torch.manual_seed(cfg.seed)
+    model = cfg.model()
+    opt = torch.optim.AdamW(model.parameters(), lr=cfg.lr)
+    gen = torch.Generator().manual_seed(cfg.seed + 1)
+    for _ in range(cfg.pretrain_steps):
+        x, y = cfg.task.batch(gen, cfg.batch, "corpus")
+        opt.zero_grad(set_to_none=True)
+        model(x, y).backward()
+        opt.step()
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def batches(cfg, seed, step):
+    """The micro-batches of one fine-tuning step (the same for both replicas)."""
+    gen = torch.Generator().manual_seed(seed * 100003 + step)
+    x, y = cfg.task.batch(gen, cfg.batch)
+    n = cfg.batch // cfg.micro_steps
+    return [(x[i:i + n], y[i:i + n]) for i in range(0, cfg.batch, n)]
+
+
+class Replica:
+    """One replica: a protected model, its AdamW, its alarm log and its sync points."""
+
+    def __init__(self, role, cfg, base, sync):
+        self.role, self.cfg = role, cfg
+        self.model = cfg.model()
+        self.model.load_state_dict(base)
+        abft.protect(self.model)
+        self.params = dict(self.model.named_parameters())
+        self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr)
+        self.log = AlarmLog()
+        self.sync = sync.attach(self.model)
+        self.losses, self.dev, self.div = [], [], []
+
+    def step(self, s, micro, events=()):
+        self.opt.zero_grad(set_to_none=True)
+        sync, total = self.sync, 0.0
+        for m, (x, y) in enumerate(micro):
+            sync.step, sync.micro_step = s, m
+            armed = [F.Armed(e, self.model, self.opt, self.params) for e in events
+                     if e.micro_step == m and e.site != "gradient_comm"]
+            try:
+                with abft.scope(step=s, micro_step=m, replica=self.role, log=self.log), \
+                        abft.checked(self.model):
+                    sync.active = True
+                    loss = self.model(x, y) / len(micro)
+                    sync.loss(loss)
+                    loss.backward()
+            finally:
+                sync.active = False
+                for a in armed:
+                    a.disarm()
+            total += float(loss.detach())
+        for e in events:
+            if e.site == "gradient_comm":
+                F.Armed(e, self.model, self.opt, self.params).grads(self.params)
+        named = list(self.model.named_parameters())
+        dev = sync.grads(named)
+        self.opt.step()
+        div = sync.state(named, self.opt)
+        abft.flush()
+        self.losses.append(total)
+        if dev is not None:
+            self.dev.append(dev)
+            self.div.append(div)
+
+    def accuracy(self):
+        self.model.eval()
+        with abft.config(enabled=False):
+            acc = self.cfg.task.accuracy(self.model)
+        self.model.train()
+        return acc
+
+
+def run_trial(trial, cfg, base, link=None, role=None):
+    """Run one trial (a dict: id, profile (a Profile), mode, seed, modules); returns the trial
+    record on F's side (on H's side in distributed mode: None).
+
+    ``link=None``: both replicas in this process. Otherwise ``role`` ("H" or "F") is this rank's.
+    """
+    prof, mode, seed = trial["profile"], trial["mode"], trial["seed"]
+    local = link is None
+    link = link or LocalLink()
+    roles = ("H", "F") if local else (role,)
+    reps = {r: Replica(r, cfg, base, Sync(r, link, mode, trial.get("modules"))) for r in roles}
+    events = F.schedule(prof, cfg.steps, cfg.micro_steps, F.targets(reps[roles[0]].model),
+                        seed)
+    t0 = time.perf_counter()
+    with abft.config(policy="record", backend=trial.get("backend", "reference")):
+        for s in range(cfg.steps):
+            micro = batches(cfg, seed, s)
+            for r in roles:
+                reps[r].step(s, micro, [e for e in events if e.step == s] if r == "F" else ())
+            if local and link.queue:
+                raise RuntimeError("abft eval: the healthy replica passed sync points the faulty "
+                                   "one did not")
+    wall = time.perf_counter() - t0
+    if "H" in reps:
+        h = reps["H"]
+        link.send_json({"loss": h.losses, "accuracy": h.accuracy(),
+                        "alarms": [_alarm(a) for a in h.log]})
+    if "F" not in reps:
+        return None
+    f = reps["F"]
+    hs = link.recv_json()
+    return {
+        "id": trial["id"], "profile": prof.name, "mode": mode, "seed": seed,
+        "steps": cfg.steps, "micro_steps": cfg.micro_steps, "pairing": "local" if local else "dist",
+        "events": [e.to_dict() for e in events],
+        "mismatches": [m.to_dict() for m in f.sync.mismatches],
+        "alarms": [_alarm(a) for a in f.log], "alarms_healthy": hs["alarms"],
+        "loss_healthy": hs["loss"], "loss_faulty": f.losses,
+        "grad_deviation": f.dev, "param_divergence": f.div,
+        "accuracy_healthy": hs["accuracy"], "accuracy_faulty": f.accuracy(),
+        "wall_s": wall, "rank": int(os.environ.get("RANK", 0)),
+    }
+
+
+def _alarm(a):
+    keys = ("op", "phase", "module", "step", "micro_step", "replica", "call_id", "row", "col",
+            "residual", "threshold", "kind", "tile", "batch")
+    d = {k: getattr(a, k) for k in keys}
+    d["residual"] = float(d["residual"]) if d["residual"] == d["residual"] else None
+    d["n_rows"], d["n_cols"] = len(a.rows), len(a.cols)
+    a_shape = tuple(a.shapes[0]) if a.shapes else ()
+    d["rows_per_batch"] = a_shape[-2] if len(a_shape) > 2 else None
+    return {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items()}
+
+
+# ------------------------------------------------------------------ distributed pairs
+
+def pair_of(rank):
+    """(pair index, role, healthy rank) of a global rank: pairs are (0, 1), (2, 3), ..."""
+    return rank // 2, ("H" if rank % 2 == 0 else "F"), rank - rank % 2
+
+
+def dist_worker(rank, world, port, run, threads=1):
+    """Entry of one spawned rank: join the gloo group on loopback and call ``run(rank, link)``."""
+    import torch.distributed as dist
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    torch.set_num_threads(threads)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        run(rank, make_link(rank, world))
+    finally:
+        dist.destroy_process_group()
+
+
+def make_link(rank, world):
+    """The DistLink of this rank's pair (every rank creates every pair's group, as gloo needs)."""
+    import torch.distributed as dist
+    from abft.eval.sync import DistLink
+    if world % 2:
+        raise ValueError(f"abft eval: replica pairs need an even number of ranks, got {world}")
+    groups = [dist.new_group([2 * p, 2 * p + 1]) for p in range(world // 2)]
+    pair, _, h = pair_of(rank)
+    return DistLink(h, groups[pair])
+
+
+def free_port():
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def spawn_pairs(pairs, run, threads=1):
+    """Run ``run(rank, link)`` on ``2 x pairs`` local ranks (gloo on loopback)."""
+    import torch.multiprocessing as mp
+    mp.spawn(dist_worker, args=(2 * pairs, free_port(), run, threads), nprocs=2 * pairs, join=True)
