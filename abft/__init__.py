@@ -17,6 +17,7 @@ from abft.autograd import addmm, baddbmm, bmm, linear, matmul, mm
 from abft import nn
 from abft.nn import protect, unprotect
 from abft.mode import checked
+from abft.guard import GuardHalt, StepGuard
 from abft import coverage as _coverage
 from abft import policy as _policy
 from abft.alarms import default_log as _default_log
@@ -53,6 +54,6 @@ def reset():
     _coverage.reset()
 
 
-__all__ = ["matmul", "mm", "bmm", "addmm", "baddbmm", "linear", "scope", "config", "inject",
+__all__ = ["StepGuard", "GuardHalt", "matmul", "mm", "bmm", "addmm", "baddbmm", "linear", "scope", "config", "inject",
            "flush", "alarms", "stats", "coverage", "reset", "protect", "unprotect", "checked", "nn", "Alarm", "AlarmLog", "SilentCorruptionError",
            "__version__"]

@@ -1,0 +1,194 @@
+"""``abft.StepGuard``: act on the checked GEMMs' verdicts once per training step.
+
+    guard = abft.StepGuard(optimizer, decision="rerun", tracker="runs/guard-{rank}.jsonl")
+    for batch in data:
+        loss = guard.step(lambda: train_step(model, batch))   # forward + backward, no optimizer
+
+``step(closure)`` zeroes the gradients, runs the closure (one replayable unit: forward and
+backward of one batch) with every checked GEMM writing its verdict under the guard's scope (step
+label set; the per-call policy is forced to ``record``, ``sample_every`` still applies), resolves
+the verdicts once, takes one small all-reduce when ``torch.distributed`` is initialised (so every
+rank decides the same), then decides:
+
+- ``continue``: log and apply the update;
+- ``skip``: do not apply this step's update;
+- ``rerun``: replay the closure from the same parameters and RNG state; clean on rerun means a
+  transient fault and the rerun's gradients are applied; alarmed again means persistent and
+  ``on_persistent`` decides (``halt`` by default, or ``skip``);
+- ``halt``: raise ``GuardHalt`` (a ``SystemExit`` with ``exit_code``) naming rank, host, device,
+  step, module and phase.
+
+Sampling: ``every=N`` checks one step in N (the others run with abft disabled); after an alarm or
+an anomaly (non-finite loss, a loss above ``spike`` x the running median) every step is checked
+for ``escalate`` steps. The tracker (JSONL, ``{rank}`` in the path) gets one line per checked
+step with that context.
+"""
+import json
+import math
+import os
+import socket
+import statistics
+import time
+
+import torch
+
+from abft import policy, settings
+from abft.context import current_rank, scope
+
+DECISIONS = ("continue", "skip", "rerun", "halt")
+
+
+class GuardHalt(SystemExit):
+    """Raised by the ``halt`` decision; ``code`` is the guard's exit code."""
+
+    def __init__(self, code, message, record):
+        super().__init__(code)
+        self.message, self.record = message, record
+
+    def __str__(self):
+        return self.message
+
+
+def _dist():
+    import torch.distributed as dist
+    return dist if dist.is_available() and dist.is_initialized() else None
+
+
+class StepGuard:
+    def __init__(self, optimizer, *, decision="rerun", on_persistent="halt", every=1, escalate=10,
+                 spike=3.0, tracker=None, exit_code=43, device=None):
+        if decision not in DECISIONS:
+            raise ValueError(f"StepGuard: decision must be one of {DECISIONS}, got {decision!r}")
+        if on_persistent not in ("halt", "skip"):
+            raise ValueError(f"StepGuard: on_persistent must be halt or skip, got {on_persistent!r}")
+        if not isinstance(every, int) or every < 1:
+            raise ValueError(f"StepGuard: every must be a whole number >= 1, got {every!r}")
+        self.opt, self.decision, self.on_persistent = optimizer, decision, on_persistent
+        self.every, self.escalate, self.spike, self.exit_code = every, escalate, spike, exit_code
+        self.device = device
+        self.step_index, self.hot_until, self.losses = 0, -1, []
+        self.records = []
+        self.tracker = None
+        if tracker:
+            path = str(tracker).format(rank=current_rank())
+            os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+            self.tracker = open(path, "a", encoding="utf-8")
+        self.resolve_s = self.reduce_s = 0.0
+
+    # ------------------------------------------------------------------ internals
+    def _params(self):
+        return [p for g in self.opt.param_groups for p in g["params"]]
+
+    def _run(self, closure, check):
+        for p in self._params():
+            p.grad = None
+        with settings.config(policy="record", enabled=check and settings.get().enabled), \
+                scope(step=self.step_index):
+            loss = closure()
+            t0 = time.perf_counter()      # resolve inside the config: its exit would flush
+            alarms = policy.flush() if check else []
+            t1 = time.perf_counter()
+        counts = self._reduce(len(alarms))
+        self.resolve_s += t1 - t0
+        self.reduce_s += time.perf_counter() - t1
+        return loss, alarms, counts
+
+    def _reduce(self, n):
+        """Alarm counts of every rank, from one all-reduce of a world-sized vector."""
+        dist = _dist()
+        if dist is None:
+            return [n]
+        world, rank = dist.get_world_size(), dist.get_rank()
+        backend = dist.get_backend()
+        dev = self.device or (torch.device("cuda", torch.cuda.current_device())
+                              if backend == "nccl" else torch.device("cpu"))
+        v = torch.zeros(world, dtype=torch.int64, device=dev)
+        v[rank] = n
+        dist.all_reduce(v)
+        return [int(x) for x in v.tolist()]
+
+    def _anomaly(self, loss):
+        if loss is None or not torch.is_tensor(loss):
+            return None
+        x = float(loss.detach())
+        if not math.isfinite(x):
+            return "non-finite loss"
+        hist = self.losses[-20:]
+        self.losses.append(x)
+        if len(hist) >= 5 and x > self.spike * statistics.median(hist):
+            return f"loss spike ({x:.4g} vs median {statistics.median(hist):.4g})"
+        return None
+
+    def _record(self, **kw):
+        dev = self.device or ("cuda:%d" % torch.cuda.current_device() if torch.cuda.is_available()
+                              else "cpu")
+        rec = dict(time=time.time(), rank=current_rank(), host=socket.gethostname(),
+                   device=str(dev), step=self.step_index, **kw)
+        self.records.append(rec)
+        if self.tracker is not None:
+            self.tracker.write(json.dumps(rec, default=str) + "\n")
+            self.tracker.flush()
+        return rec
+
+    @staticmethod
+    def _where(alarms):
+        return [{"module": a.module, "phase": a.phase, "op": a.op, "call_id": a.call_id,
+                 "row": a.row, "col": a.col} for a in alarms]
+
+    def _halt(self, rec):
+        a = rec["alarms"][0] if rec["alarms"] else {}
+        ranks = [r for r, n in enumerate(rec["alarm_counts"]) if n]
+        msg = (f"abft StepGuard: halt at step {rec['step']}: alarms on rank(s) {ranks}; this is rank "
+               f"{rec['rank']} on {rec['host']} ({rec['device']}); first alarm here: "
+               f"{a.get('module')}/{a.get('phase')} ({rec.get('persistence') or 'unconfirmed'})")
+        raise GuardHalt(self.exit_code, msg, rec)
+
+    # ------------------------------------------------------------------ the step
+    def step(self, closure):
+        """Run ``closure`` (forward + backward) under the guard, decide, maybe apply the update.
+        Returns the closure's result (the rerun's on a transient fault)."""
+        s = self.step_index
+        check = s % self.every == 0 or s <= self.hot_until
+        rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        loss, alarms, counts = self._run(closure, check)
+        anomaly = self._anomaly(loss)
+        if anomaly and not check:
+            self.hot_until = s + self.escalate
+        total = sum(counts)
+        apply, persistence, action = True, None, "none"
+        if total:
+            self.hot_until = s + self.escalate
+            action = self.decision
+            if self.decision == "skip":
+                apply = False
+            elif self.decision == "halt":
+                self._halt(self._record(checked=check, alarms=self._where(alarms),
+                                        alarm_counts=counts, decision="halt", anomaly=anomaly))
+            elif self.decision == "rerun":
+                torch.set_rng_state(rng)
+                if cuda_rng is not None:
+                    torch.cuda.set_rng_state_all(cuda_rng)
+                loss2, alarms2, counts2 = self._run(closure, True)
+                persistence = "persistent" if sum(counts2) else "transient"
+                if persistence == "transient":
+                    loss = loss2
+                else:
+                    alarms, counts = alarms + alarms2, [a + b for a, b in zip(counts, counts2)]
+                    if self.on_persistent == "halt":
+                        self._halt(self._record(checked=check, alarms=self._where(alarms),
+                                                alarm_counts=counts, decision="halt",
+                                                persistence=persistence, anomaly=anomaly))
+                    apply, action = False, "skip"
+        if check or total or anomaly:
+            self._record(checked=check, alarms=self._where(alarms), alarm_counts=counts,
+                         decision=action, persistence=persistence, applied=apply, anomaly=anomaly)
+        if apply:
+            self.opt.step()
+        self.step_index += 1
+        return loss
+
+    def close(self):
+        if self.tracker is not None:
+            self.tracker.close()
+            self.tracker = None
