@@ -29,7 +29,7 @@ CAUSES = {
 }
 
 
-def _cause(ev, alarms_none=True):
+def _cause(ev):
     site = ev["site"]
     if site in CAUSES:
         return CAUSES[site]
