@@ -267,6 +267,7 @@ class _DistRun:
             rec = run_trial(t, self.train, base, link=link, role=role)
             if rec is not None:
                 append(os.path.join(self.out, f"trials-pair{pair}.jsonl"), rec)
+        dist.barrier()          # every F rank has written before rank 0 reads the trials
 
 
 def _torchrun(train, todo, out):
