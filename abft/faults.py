@@ -95,14 +95,8 @@ class Injection:
         with torch.no_grad():
             if self.kind == "bitflip":
                 width = torch.finfo(c.dtype).bits
-                mask = flip_mask(self.bit, width, c.dtype)
-                if view.is_contiguous():
-                    bits = view.view(_INT_VIEW[c.dtype])
-                    bits ^= mask
-                else:                           # a strided slice: flip a copy and write it back
-                    bits = view.contiguous().view(_INT_VIEW[c.dtype])
-                    bits ^= mask
-                    view.copy_(bits.view(c.dtype))
+                bits = view.view(_INT_VIEW[c.dtype])       # same width: any strides
+                bits ^= flip_mask(self.bit, width, c.dtype)
             elif self.kind == "value":
                 view.fill_(self.value)
             elif self.kind == "add":

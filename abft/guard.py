@@ -153,7 +153,7 @@ class StepGuard:
         cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
         loss, alarms, counts = self._run(closure, check)
         anomaly = self._anomaly(loss)
-        if anomaly and not check:
+        if anomaly:
             self.hot_until = s + self.escalate
         total = sum(counts)
         apply, persistence, action = True, None, "none"

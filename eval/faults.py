@@ -141,10 +141,6 @@ class FaultEvent:
     def to_dict(self):
         return asdict(self)
 
-    @property
-    def bit_class(self):
-        return bit_class(self.bits[0]) if self.bits else None
-
 
 def _pick(rng, weights):
     keys = [k for k, w in weights.items() if w > 0]

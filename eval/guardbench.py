@@ -3,7 +3,9 @@ plain, guarded with every GEMM checked, and guarded with 1-in-10 sampling, as me
 interleaved rounds in one run; plus the guard's own cost (the per-step resolve, timed inside
 the guard) and one guard all-reduce over gloo between 2 local ranks, timed directly."""
 import copy
+import os
 import statistics
+import tempfile
 import time
 
 import torch
@@ -13,8 +15,6 @@ from abft.eval.models import bench_gpt
 
 
 def _allreduce_us(rank, port, out, n=200):
-    import os
-
     import torch.distributed as dist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     dist.init_process_group("gloo", rank=rank, world_size=2)
@@ -72,9 +72,6 @@ def main(rounds=12):
     resolve_ms = g.resolve_s / g.step_index * 1e3
     print(f"  guard resolve (flush of the step's verdicts, inside the checked step): {resolve_ms:.3f} ms "
           f"per step = {100 * resolve_ms / med['every']:.2f}% of a guarded step")
-    import os
-    import tempfile
-
     import torch.multiprocessing as mp
 
     from abft.eval.replicas import free_port

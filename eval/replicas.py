@@ -190,8 +190,6 @@ def _alarm(a):
     d = {k: getattr(a, k) for k in keys}
     d["residual"] = float(d["residual"]) if d["residual"] == d["residual"] else None
     d["n_rows"], d["n_cols"] = len(a.rows), len(a.cols)
-    a_shape = tuple(a.shapes[0]) if a.shapes else ()
-    d["rows_per_batch"] = a_shape[-2] if len(a_shape) > 2 else None
     return {k: (list(v) if isinstance(v, tuple) else v) for k, v in d.items()}
 
 

@@ -21,10 +21,9 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-MODES = ("computation", "parameter", "none")
+from abft.faults import _INT_VIEW
 
-_INT = {torch.float32: torch.int32, torch.float64: torch.int64, torch.float16: torch.int16,
-        torch.bfloat16: torch.int16}
+MODES = ("computation", "parameter", "none")
 
 
 @dataclass
@@ -51,8 +50,8 @@ class Mismatch:
 
 def compare(h, f):
     """Mismatch statistics of f against h (same shape and dtype), or None when bit-identical."""
-    if h.dtype in _INT:
-        diff = h.contiguous().view(_INT[h.dtype]) != f.contiguous().view(_INT[f.dtype])
+    if h.dtype in _INT_VIEW:        # bit for bit (NaN == NaN, -0 != +0); same width: any strides
+        diff = h.view(_INT_VIEW[h.dtype]) != f.view(_INT_VIEW[f.dtype])
     else:
         diff = h != f
     n = int(diff.sum())

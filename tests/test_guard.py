@@ -177,3 +177,14 @@ def test_example_runs_under_torchrun(tmp_path):
     # the two ranks share stdout, so a line may hold both: count the records, not the lines
     assert len(re.findall(r"rank [01] step +\d", out.stdout)) == 8
     assert out.stdout.count("rerun transient alarms per rank [0, 1]") == 2
+
+
+def test_an_anomaly_on_a_checked_step_escalates_too():
+    model, opt = _setup()
+    guard = abft.StepGuard(opt, every=4, escalate=2, decision="continue")
+    for s in range(9):
+        run = _closure(model, s)
+        guard.step((lambda: run() * float("nan")) if s == 4 else run)
+    checked = [r["step"] for r in guard.records if r["checked"]]
+    assert checked == [0, 4, 5, 6, 8]
+    assert guard.records[1]["anomaly"] == "non-finite loss" and guard.records[1]["alarms"] == []
