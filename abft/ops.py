@@ -52,21 +52,42 @@ class Problem:
 
 
 class TritonProblem(Problem):
-    """A product the fused kernel computes and checks in one launch: verify() runs it, with the
-    fault hook's element faults injected into the accumulator (after the first K step)."""
+    """A product the fused kernel computes and checks in one launch, c = alpha * a @ b + beta *
+    addend: verify() runs it, with the fault hook's element faults injected into the accumulator
+    (after the first K step)."""
 
-    def __init__(self, op, a, b, bias=None, flat_rows=None, finish=None):
+    def __init__(self, op, a, b, bias=None, flat_rows=None, finish=None, *, addend=None,
+                 alpha=1.0, beta=1.0):
         self.op, self.a, self.b, self.bias, self.flat_rows = op, a, b, bias, flat_rows
-        self.alpha, self.addend, self.c = 1.0, bias, None      # addend: for a re-check of C
+        self.kernel_addend, self.kernel_alpha, self.kernel_beta = addend, float(alpha), float(beta)
+        self.alpha, self.c = float(alpha), None
+        # the addend as the reference re-check (policy "correct") sees it
+        if bias is not None:
+            self.addend = bias
+        elif addend is not None and beta != 0:
+            self.addend = addend if beta == 1 else addend * beta
+        else:
+            self.addend = None
         self.shape = tuple(a.shape[:-1]) + (b.shape[-1],)
         self.dtype = a.dtype
         self._finish = finish or (lambda c: c)
 
+    def again(self):
+        return TritonProblem(self.op, self.a, self.b, self.bias, self.flat_rows, self._finish,
+                             addend=self.kernel_addend, alpha=self.kernel_alpha, beta=self.kernel_beta)
+
     def verify(self, ctx, s):
+        from abft.kernels import layout as L
         from abft.kernels import triton_gemm
         inject = faults.kernel_injection(ctx) if faults.active() else None
-        self.c, verdict, detail = triton_gemm.checked_gemm(self.a, self.b, self.bias, tiles=s.tiles,
-                                                           inject=inject)
+        self.c, verdict, detail = triton_gemm.checked_gemm(
+            self.a, self.b, self.bias, addend=self.kernel_addend, alpha=self.kernel_alpha,
+            beta=self.kernel_beta, tiles=s.tiles, inject=inject)
+        if self.alpha != 1.0:
+            # the kernel checks a @ b; residuals and thresholds are reported in c's units
+            verdict = verdict.clone()
+            verdict[..., L.RESIDUAL] *= self.alpha
+            verdict[..., L.THRESHOLD] *= abs(self.alpha)
         bm, bn = s.tiles or triton_gemm.tiles_for(self.shape[-2], self.shape[-1], self.a.shape[-1], self.dtype)
         if self.c.dim() == 2:
             verdict, detail = verdict[0], (detail[0][0], detail[1][0])
@@ -91,9 +112,8 @@ def _use_triton(*ts):
     return ok and all(t.is_cuda for t in ts)
 
 
-def _triton(pb, phase, module):
-    fresh = run_checked(pb, lambda: TritonProblem(pb.op, pb.a, pb.b, pb.bias, pb.flat_rows, pb._finish),
-                        phase=phase, module=module)
+def _triton(pb, phase="forward", module=None):
+    fresh = run_checked(pb, pb.again, phase=phase, module=module)
     return (fresh or pb).finish()
 
 
@@ -259,9 +279,37 @@ def matmul(a, b, *, op="matmul", phase="forward", module=None, a_rg=False, b_rg=
         if plan.squeeze == "a":
             return matmul(a.squeeze(0), b, op=op, phase=phase, module=module, a_rg=a_rg, b_rg=b_rg)
         return matmul(a, b.squeeze(0), op=op, phase=phase, module=module, a_rg=a_rg, b_rg=b_rg)
+    if _use_triton(a, b):
+        return _triton(_triton_matmul(plan, a, b, op), phase, module)
     pb = _matmul_problem(plan, a, b, op)
     fresh = run_checked(pb, lambda: _matmul_problem(plan, a, b, op), phase=phase, module=module)
     return (fresh or pb).finish()
+
+
+def _triton_matmul(plan, a, b, op):
+    """torch.matmul's decomposition with every product on the fused kernel: the same canonical
+    operands as ``_matmul_problem``, and a ``finish`` that gives torch.matmul's result shape."""
+    k, flat = plan.kind, None
+    if k == "dot":
+        x, y, fin = a.unsqueeze(0), b.unsqueeze(-1), lambda c: c.view(())
+    elif k == "mv":
+        x, y, fin = a, b.unsqueeze(-1), lambda c: c.squeeze(-1)
+    elif k == "mm1":
+        x, y, fin = a.unsqueeze(0), b, lambda c: c.squeeze(0)
+    elif k == "mm":
+        x, y, fin = a, b, None
+    elif k == "fold":
+        x, t2, shape = decompose.fold_operands(plan, a, b)
+        if t2.dim() == 2:
+            y = t2
+            flat = None if plan.transpose else tuple(shape[:-1])
+            fin = (lambda c: c.view(shape).mT.contiguous()) if plan.transpose else (lambda c: c.view(shape))
+        else:
+            y, flat, fin = t2.unsqueeze(-1), tuple(shape), (lambda c: c.view(shape))
+    else:
+        x, y, shape, _ = decompose.bmm_operands(plan, a, b)
+        fin = (lambda c: c.squeeze(-1).view(shape)) if b.dim() == 1 else (lambda c: c.view(shape))
+    return TritonProblem(op, x, y, flat_rows=flat, finish=fin)
 
 
 def _matmul_problem(plan, a, b, op):
@@ -318,6 +366,8 @@ def mm(a, b, *, op="mm", phase="forward", module=None):
 @_plain
 def bmm(a, b, *, op="bmm", phase="forward", module=None):
     """Checked ``torch.bmm``: (B, M, K) @ (B, K, N)."""
+    if _enabled() and _use_triton(a, b) and a.dim() == 3 and b.dim() == 3 and a.shape[0] == b.shape[0]:
+        return _triton(TritonProblem(op, a, b), phase, module)
     out = torch.bmm(a, b)
     if not _enabled():
         return out
@@ -334,6 +384,9 @@ def _simple(op, a, b, out, again, alpha=1.0, addend=None):
 @_plain
 def addmm(input, mat1, mat2, *, beta=1, alpha=1, module=None):
     """Checked ``torch.addmm``: beta * input + alpha * (mat1 @ mat2)."""
+    if _enabled() and _use_triton(input, mat1, mat2) and mat1.dim() == 2 and mat2.dim() == 2:
+        return _triton(TritonProblem("addmm", mat1, mat2, addend=input, alpha=alpha, beta=beta),
+                       module=module)
     out = torch.addmm(input, mat1, mat2, beta=beta, alpha=alpha)
     if not _enabled():
         return out
@@ -347,6 +400,10 @@ def addmm(input, mat1, mat2, *, beta=1, alpha=1, module=None):
 @_plain
 def baddbmm(input, batch1, batch2, *, beta=1, alpha=1, module=None):
     """Checked ``torch.baddbmm``: beta * input + alpha * (batch1 @ batch2)."""
+    if (_enabled() and _use_triton(input, batch1, batch2) and batch1.dim() == 3 and batch2.dim() == 3
+            and batch1.shape[0] == batch2.shape[0]):
+        return _triton(TritonProblem("baddbmm", batch1, batch2, addend=input, alpha=alpha, beta=beta),
+                       module=module)
     out = torch.baddbmm(input, batch1, batch2, beta=beta, alpha=alpha)
     if not _enabled():
         return out

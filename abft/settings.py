@@ -53,7 +53,8 @@ class config:
     ``with abft.config(policy="raise"): ...`` sets them for the block and restores them after.
 
     Keys: enabled, policy (record | warn | raise | recompute | correct), backend (reference |
-    triton | auto: triton on CUDA tensors; triton covers mm and linear), sample_every, tiles=(BM, BN), log_path, on_alarm,
+    triton | auto: triton on CUDA tensors; the fused kernel computes matmul, mm, bmm,
+    addmm, baddbmm and linear, forward and backward), sample_every, tiles=(BM, BN), log_path, on_alarm,
     max_pending, max_pending_bytes, lam. The environment variable ABFT_DISABLE=1 starts the
     process with enabled=False.
     """

@@ -11,6 +11,7 @@ flip moved the element by more than the bf16 rounding of that element (half an u
 import argparse
 
 import torch
+import triton
 
 from abft.kernels import layout as L
 from abft.kernels import triton_gemm as TG
@@ -25,6 +26,7 @@ def _alarmed(v):
 def run(m=32, k=4096, n=32, trials=12, bits=range(32), seed=0):
     rows = []
     u = units(torch.bfloat16)
+    bk128 = triton.Config({"BLOCK_K": 128}, num_warps=4, num_stages=1)      # K steps of 128
     for bit in bits:
         fused = ref = above = above_fused = 0
         for t in range(trials):
@@ -33,8 +35,8 @@ def run(m=32, k=4096, n=32, trials=12, bits=range(32), seed=0):
             b = torch.randn(k, n, generator=g).to(torch.bfloat16)
             i, j = (int(x) for x in torch.randint(0, m, (2,), generator=g))
             ks = int(torch.randint(0, k // 128, (1,), generator=g))
-            clean, _, _ = TG.checked_gemm(a, b, block_k=128)
-            c, v, _ = TG.checked_gemm(a, b, block_k=128,
+            clean, _, _ = TG.checked_gemm(a, b, config=bk128)
+            c, v, _ = TG.checked_gemm(a, b, config=bk128,
                                       inject=dict(kind="bitflip", row=i, col=j, k_step=ks, bit=bit))
             hit_fused = _alarmed(v)
             v_ref, _ = check(a, b, c, bm=32, bn=32, units=u)

@@ -108,42 +108,87 @@ def add_arguments(ap):
                          "loss: time one training step plain vs protected")
 
 
-GPU_SHAPES = "4096x4096x4096,8192x8192x8192,16384x4096x4096,16384x4096x14336"
+GPU_SHAPES = "4096x4096x4096,8192x8192x8192,linear:16384x4096x4096,linear:16384x4096x14336"
+SMOKE_SHAPES = "64x64x64,linear:48x40x72"
+
+
+def gemms(kind, m, k, n):
+    """The GEMMs of one entry as (name, M, K, N, make(gen, dtype, dev) -> (a, b)). A linear layer
+    of T tokens x IN -> OUT has three: the forward x @ W^T, grad_input dY @ W and grad_weight
+    dY^T @ x, with the transposed operands as views (no copies), as autograd gives them."""
+    r = lambda g, dt, dev, *s: torch.randn(*s, generator=g).to(dtype=dt, device=dev)
+    if kind != "linear":
+        return [("matmul", m, k, n, lambda g, dt, dev: (r(g, dt, dev, m, k), r(g, dt, dev, k, n)))]
+    t, i, o = m, k, n
+    return [("forward", t, i, o, lambda g, dt, dev: (r(g, dt, dev, t, i), r(g, dt, dev, o, i).t())),
+            ("grad_input", t, o, i, lambda g, dt, dev: (r(g, dt, dev, t, o), r(g, dt, dev, o, i))),
+            ("grad_weight", o, t, i, lambda g, dt, dev: (r(g, dt, dev, t, o).t(), r(g, dt, dev, t, i)))]
+
+
+def rotation(nbytes, l2_bytes, cap=64):
+    """How many copies of a GEMM's operands to cycle through so that consecutive timed calls
+    find none of theirs in L2: together at least twice the L2, and at least two."""
+    return max(2, min(cap, -(-2 * l2_bytes // max(nbytes, 1))))
 
 
 def kernel_bench(args):
     """The fused kernel on CUDA: checked, checks compiled out, torch.matmul (cuBLAS), plus a
-    correctness pass against float64. ``--smoke``: one tiny shape; without a GPU it runs on the
+    correctness pass against float64. ``--smoke``: tiny shapes; without a GPU it runs on the
     CPU through the Triton interpreter (TRITON_INTERPRET=1 must be set before triton loads)."""
+    import itertools
     import os
-    if args.smoke and not torch.cuda.is_available():
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.smoke:
+        raise SystemExit("abft bench --device cuda: no CUDA device here (--smoke runs the path "
+                         "on the CPU through the Triton interpreter)")
+    if args.smoke and not cuda:
         os.environ.setdefault("TRITON_INTERPRET", "1")
     from abft.kernels.triton_gemm import checked_gemm
     from abft.kernels import layout as L
-    dev = "cuda" if torch.cuda.is_available() else "cpu"
+    dev = "cuda" if cuda else "cpu"
     dtype = getattr(torch, "bfloat16" if args.dtype == "float32" and not args.smoke else args.dtype)
-    shapes = parse_shapes("64x64x64" if args.smoke else (args.shapes if args.shapes != DEFAULT_SHAPES else GPU_SHAPES))
-    print(f"| shape ({str(dtype).replace('torch.', '')}, {dev}) | torch ms | unchecked ms | checked ms | "
-          f"checked / unchecked | unchecked / torch | max err / torch's | alarms |")
-    print("|---|---|---|---|---|---|---|---|")
-    for kind, m, k, n in shapes:
-        g = torch.Generator().manual_seed(0)
-        a = torch.randn(m, k, generator=g).to(dtype=dtype, device=dev)
-        b = torch.randn(k, n, generator=g).to(dtype=dtype, device=dev)
-        c, v, _ = checked_gemm(a, b)
-        ref = a.double() @ b.double()
-        err = (c.double() - ref).abs().max().item() / max((torch.matmul(a, b).double() - ref).abs().max().item(), 1e-30)
-        alarms = int(((v[..., L.ROW_RATIO] > 1) | (v[..., L.COL_RATIO] > 1)).sum())
-        fns = {"torch": lambda: torch.matmul(a, b), "unchecked": lambda: checked_gemm(a, b, check=False),
-               "checked": lambda: checked_gemm(a, b)}
-        if dev == "cuda":
-            import triton
-            t = {name: triton.testing.do_bench(f) for name, f in fns.items()}
-        else:
-            t = {name: interleaved(f, f, 1)["plain_ms"] for name, f in fns.items()}
-        print(f"| {m}x{k}x{n} | {t['torch']:.3f} | {t['unchecked']:.3f} | {t['checked']:.3f} | "
-              f"{t['checked'] / t['unchecked']:.3f} | {t['unchecked'] / t['torch']:.3f} | {err:.2f} | {alarms} |",
-              flush=True)
+    if args.smoke:
+        spec = SMOKE_SHAPES
+    else:
+        spec = args.shapes if args.shapes != DEFAULT_SHAPES else GPU_SHAPES
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size if cuda else 1 << 20
+    if cuda:
+        import triton.testing
+        timer = triton.testing.do_bench
+    else:
+        timer = lambda f: interleaved(f, f, 1)["plain_ms"]
+    name = torch.cuda.get_device_name(0) if cuda else "cpu (interpreter)"
+    print(f"{name}, {str(dtype).replace('torch.', '')}, L2 {l2 >> 20} MiB; ms are medians; "
+          f"inputs rotated beyond L2")
+    print("| shape | GEMM | torch ms | unchecked ms | checked ms | checked / unchecked | "
+          "unchecked / torch | checked / torch | checked TFLOP/s | max err / torch's | alarms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    g = torch.Generator().manual_seed(0)
+    for kind, m0, k0, n0 in parse_shapes(spec):
+        for gemm, m, k, n, make in gemms(kind, m0, k0, n0):
+            a, b = make(g, dtype, dev)
+            c, v, _ = checked_gemm(a, b)
+            ref = a.double() @ b.double()
+            torch_err = (torch.matmul(a, b).double() - ref).abs().max().item()
+            err = (c.double() - ref).abs().max().item() / max(torch_err, 1e-30)
+            alarms = int(((v[..., L.ROW_RATIO] > 1) | (v[..., L.COL_RATIO] > 1)
+                          | (v[..., L.STATUS] == L.NONFINITE)).sum())
+            del ref, c, v
+            copies = rotation((a.numel() + b.numel()) * a.element_size(), l2)
+            sets = [(a, b)] + [make(g, dtype, dev) for _ in range(copies - 1)]
+            fns = {"torch": torch.matmul, "unchecked": lambda x, y: checked_gemm(x, y, check=False),
+                   "checked": checked_gemm}
+            t = {}
+            for label, fn in fns.items():
+                it = itertools.cycle(sets)
+                t[label] = timer(lambda: fn(*next(it)))
+            del sets
+            tflops = 2 * m * k * n / (t["checked"] * 1e-3) / 1e12
+            label = f"{kind} {m0}x{k0}x{n0}" if kind == "linear" else f"{m}x{k}x{n}"
+            print(f"| {label} | {gemm} {m}x{k}x{n} | {t['torch']:.3f} | {t['unchecked']:.3f} | "
+                  f"{t['checked']:.3f} | {t['checked'] / t['unchecked']:.3f} | "
+                  f"{t['unchecked'] / t['torch']:.3f} | {t['checked'] / t['torch']:.3f} | "
+                  f"{tflops:.1f} | {err:.2f} | {alarms} |", flush=True)
     return 0
 
 

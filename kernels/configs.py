@@ -24,7 +24,7 @@ def tile(m, n, k, dtype):
     return 128, 128
 
 
-def configs(bm, bn, k, dtype, interpret=None):
+def configs(bm, bn, dtype, interpret=None):
     """Autotune candidates for one tile. BK 32 or 64 (64 for 2-byte types, whose tiles are half
     the bytes); 4 or 8 warps; 3 or 4 stages (Hopper-class shared memory holds 4 stages of
     128 x 64 bf16 tiles for both operands)."""

@@ -39,4 +39,14 @@ def test_bench_a_model_training_step(capsys):
 def test_bench_cuda_smoke_runs_the_kernel_path(capsys):
     assert cli.main(["bench", "--device", "cuda", "--smoke"]) == 0
     out = capsys.readouterr().out
-    assert "| 64x64x64 |" in out and out.strip().endswith("| 0 |")
+    rows = [line for line in out.splitlines() if line.startswith("| ") and "ms" not in line]
+    assert [r.split(" | ")[1] for r in rows] == ["matmul 64x64x64", "forward 48x40x72",
+                                                "grad_input 48x72x40", "grad_weight 72x48x40"]
+    assert all(r.endswith("| 0 |") for r in rows)            # no false alarm
+    assert all(float(r.split(" | ")[-2]) <= 2 for r in rows)  # within twice torch's error
+
+
+def test_bench_rotation_covers_twice_the_l2():
+    from abft.eval.overhead import rotation
+    assert rotation(64 << 20, 50 << 20) == 2 and rotation(1 << 20, 50 << 20) == 64
+    assert rotation(10 << 20, 50 << 20) * (10 << 20) >= 2 * (50 << 20)
