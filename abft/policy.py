@@ -41,7 +41,8 @@ def summarize(verdict):
     alarmed = ((verdict[..., L.ROW_RATIO] > 1) | (verdict[..., L.COL_RATIO] > 1)
                | (verdict[..., L.STATUS] == L.NONFINITE))
     unverified = verdict[..., L.STATUS] == L.UNVERIFIED
-    tiles = torch.tensor(float(verdict[..., 0].numel()), device=verdict.device)
+    # a fill, not a host-to-device copy: capturable in a CUDA graph
+    tiles = torch.full((), float(verdict[..., 0].numel()), device=verdict.device)
     return torch.stack([alarmed.sum().float(), unverified.sum().float(), tiles])
 
 

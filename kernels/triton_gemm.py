@@ -282,11 +282,11 @@ def _autotuned(bm, bn, dtype):
     return _tuned[key]
 
 
-def _launch_impl(a3: torch.Tensor, b3: torch.Tensor, addend: Optional[torch.Tensor], alpha: float,
-            beta: float, bm: int, bn: int, check: bool, tf32: bool, tf32_emulation: int,
-            inject_kind: int, inject_at: List[int], inject_value: float,
-            block_k: int, num_warps: int, num_stages: int) -> Tuple[torch.Tensor, torch.Tensor,
-                                                                      torch.Tensor, torch.Tensor]:
+def _launch_impl(a3: torch.Tensor, b3: torch.Tensor, addend: Optional[torch.Tensor],
+                 alpha: float, beta: float, bm: int, bn: int, check: bool, tf32: bool,
+                 tf32_emulation: int, inject_kind: int, inject_at: List[int], inject_value: float,
+                 block_k: int, num_warps: int, num_stages: int,
+                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """One launch over a (B, M, K) x (B, K, N) batch; block_k = 0 lets the autotuner choose (on a
     GPU) or takes the factory's one config (under the interpreter)."""
     bt, m, k = a3.shape

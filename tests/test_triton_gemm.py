@@ -263,6 +263,13 @@ except KeyboardInterrupt:
 nodes = [n for n in graphs[0].graph.nodes if "triton_kernel_wrapper" in str(n.target)]
 kernel = kernel_side_table.get_kernel(nodes[0].kwargs["kernel_idx"])
 print(len(nodes), getattr(kernel, "fn", kernel).__name__, nodes[0].kwargs["kwargs"]["CHECK"])
+from abft.kernels import configs
+for dt in (torch.float32, torch.bfloat16):           # the GPU autotuner: the factory's configs,
+    tuner = TG._autotuned(128, 128, dt)              # keyed on arguments the kernel has
+    same = lambda cs: [(c.kwargs, c.num_warps, c.num_stages) for c in cs]
+    assert same(tuner.configs) == same(configs.configs(128, 128, dt, interpret=False))
+    assert set(tuner.keys) <= set(tuner.arg_names) and {"M", "N", "K", "CHECK"} <= set(tuner.keys)
+print("tuner ok")
 """
 
 
@@ -275,38 +282,41 @@ def test_torch_compile_traces_the_kernel_itself():
     out = subprocess.run([sys.executable, "-c", TRACE], env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split()[-3:] == ["1", "_checked_gemm_kernel", "True"], out.stdout
+    assert out.stdout.split()[-5:] == ["1", "_checked_gemm_kernel", "True", "tuner", "ok"], out.stdout
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
 def test_record_policy_call_is_capturable_in_a_cuda_graph():
     """After a warm-up call (which autotunes), a checked call under the record policy makes no
     host synchronisation and replays from a CUDA graph; a fault placed in the captured launch
-    is alarmed at every replay's flush."""
+    is alarmed when the replay's verdict is flushed. (The capture queues one verdict: a flush
+    reads the latest replay's, once.)"""
     import abft
     a = torch.randn(256, 512, device="cuda", dtype=torch.bfloat16)
     b = torch.randn(512, 384, device="cuda", dtype=torch.bfloat16)
     with abft.config(backend="triton", policy="record"):
+        with abft.inject(row=100, col=200, kind="add", value=64.0):
+            abft.ops.mm(a, b)                              # warm-up: autotune both variants
         abft.ops.mm(a, b)
         abft.flush()
+        torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
             abft.ops.mm(a, b)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        abft.flush()
+        assert abft.flush() == []
         s = torch.cuda.Stream()
         s.wait_stream(torch.cuda.current_stream())
         g = torch.cuda.CUDAGraph()
         with torch.cuda.stream(s), torch.cuda.graph(g):
             with abft.inject(row=100, col=200, kind="add", value=64.0):
                 c = abft.ops.mm(a, b)
-        for _ in range(2):
-            g.replay()
-            torch.cuda.synchronize()
-            (al,) = abft.flush() or [None]
-            assert al is not None and (al.row, al.col) == (100, 200)
-    ref = (a.double() @ b.double())
+        g.replay()
+        torch.cuda.synchronize()
+        (al,) = abft.flush()
+    assert (al.backend, al.row, al.col) == ("triton", 100, 200)
+    ref = a.double() @ b.double()
     ref[100, 200] += 64.0
     assert (c.double() - ref).abs().max() < 0.05 * ref.abs().max()
 
@@ -318,3 +328,19 @@ def test_bitflip_table_script_runs():
     rows = bitflips.run(m=32, k=256, n=32, trials=2, bits=[3, 30])
     assert [r["bit"] for r in rows] == [3, 30] and rows[1]["fused"] == 1.0
     assert all(r["above_detected"] == r["above_rounding"] for r in rows)
+
+
+def test_correct_policy_on_a_scaled_product():
+    """baddbmm with alpha = -0.5 on the kernel: the residual is reported in C's units, so the
+    correct policy subtracts it and the result equals the fault-free one."""
+    import abft
+    torch.manual_seed(0)
+    i, a, b = torch.randn(3, 40, 1), torch.randn(3, 40, 50), torch.randn(3, 50, 30)
+    ref = torch.baddbmm(i, a, b, beta=2.0, alpha=-0.5)
+    with abft.config(backend="triton", policy="correct"):
+        with abft.inject(row=7, col=20, kind="add", value=3.0, batch=(1,)):
+            out = abft.ops.baddbmm(i, a, b, beta=2.0, alpha=-0.5)
+    (al,) = [x for x in abft.alarms() if x.op == "baddbmm"][-1:]
+    assert (al.action, al.batch, al.row, al.col) == ("corrected", (1,), 7, 20)
+    assert al.residual == pytest.approx(-1.5, rel=1e-3)
+    torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
