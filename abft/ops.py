@@ -59,7 +59,7 @@ class TritonProblem(Problem):
     def __init__(self, op, a, b, bias=None, flat_rows=None, finish=None, *, addend=None,
                  alpha=1.0, beta=1.0):
         self.op, self.a, self.b, self.bias, self.flat_rows = op, a, b, bias, flat_rows
-        self.kernel_addend, self.kernel_alpha, self.kernel_beta = addend, float(alpha), float(beta)
+        self.kernel_addend, self.kernel_beta = addend, float(beta)
         self.alpha, self.c = float(alpha), None
         # the addend as the reference re-check (policy "correct") sees it
         if bias is not None:
@@ -74,14 +74,14 @@ class TritonProblem(Problem):
 
     def again(self):
         return TritonProblem(self.op, self.a, self.b, self.bias, self.flat_rows, self._finish,
-                             addend=self.kernel_addend, alpha=self.kernel_alpha, beta=self.kernel_beta)
+                             addend=self.kernel_addend, alpha=self.alpha, beta=self.kernel_beta)
 
     def verify(self, ctx, s):
         from abft.kernels import layout as L
         from abft.kernels import triton_gemm
         inject = faults.kernel_injection(ctx) if faults.active() else None
         self.c, verdict, detail = triton_gemm.checked_gemm(
-            self.a, self.b, self.bias, addend=self.kernel_addend, alpha=self.kernel_alpha,
+            self.a, self.b, self.bias, addend=self.kernel_addend, alpha=self.alpha,
             beta=self.kernel_beta, tiles=s.tiles, inject=inject)
         if self.alpha != 1.0:
             # the kernel checks a @ b; residuals and thresholds are reported in c's units

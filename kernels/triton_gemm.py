@@ -266,7 +266,7 @@ def _as3(t):
     return t if t.dim() == 3 else t.unsqueeze(0)
 
 
-_TF32_EMU = {None: 0, "truncate": 1, "nearest": 2}
+_TF32_EMU = {"truncate": 1, "nearest": 2}
 _tuned = {}
 
 
