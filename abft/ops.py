@@ -287,68 +287,45 @@ def matmul(a, b, *, op="matmul", phase="forward", module=None, a_rg=False, b_rg=
 
 
 def _triton_matmul(plan, a, b, op):
-    """torch.matmul's decomposition with every product on the fused kernel: the same canonical
-    operands as ``_matmul_problem``, and a ``finish`` that gives torch.matmul's result shape."""
-    k, flat = plan.kind, None
-    if k == "dot":
-        x, y, fin = a.unsqueeze(0), b.unsqueeze(-1), lambda c: c.view(())
-    elif k == "mv":
-        x, y, fin = a, b.unsqueeze(-1), lambda c: c.squeeze(-1)
-    elif k == "mm1":
-        x, y, fin = a.unsqueeze(0), b, lambda c: c.squeeze(0)
-    elif k == "mm":
-        x, y, fin = a, b, None
-    elif k == "fold":
-        x, t2, shape = decompose.fold_operands(plan, a, b)
-        if t2.dim() == 2:
-            y = t2
-            flat = None if plan.transpose else tuple(shape[:-1])
-            fin = (lambda c: c.view(shape).mT.contiguous()) if plan.transpose else (lambda c: c.view(shape))
-        else:
-            y, flat, fin = t2.unsqueeze(-1), tuple(shape), (lambda c: c.view(shape))
-    else:
-        x, y, shape, _ = decompose.bmm_operands(plan, a, b)
-        fin = (lambda c: c.squeeze(-1).view(shape)) if b.dim() == 1 else (lambda c: c.view(shape))
+    """torch.matmul's decomposition with the product on the fused kernel."""
+    x, y, flat, fin, _ = _canonical(plan, a, b)
     return TritonProblem(op, x, y, flat_rows=flat, finish=fin)
 
 
 def _matmul_problem(plan, a, b, op):
     """Compute the product the way torch.matmul does and return it as a checkable Problem whose
     ``finish()`` gives torch.matmul's result."""
-    k = plan.kind
+    x, y, flat, fin, compute = _canonical(plan, a, b)
+    c = compute()
+    pb = Problem(op, x, y, c, flat_rows=flat)
+    pb.finish = lambda: fin(c)
+    return pb
+
+
+def _canonical(plan, a, b):
+    """One matmul as a canonical product c (..., M, N) = x @ y: (x, y, flat_rows, finish(c) ->
+    torch.matmul's result, compute() -> c by the torch op torch.matmul itself calls)."""
+    k, flat = plan.kind, None
     if k == "dot":
-        out = a.dot(b)
-        pb = Problem(op, a.unsqueeze(0), b.unsqueeze(-1), out.view(1, 1))
-        pb.finish = lambda: out
-    elif k == "mv":
-        out = a.mv(b)
-        pb = Problem(op, a, b.unsqueeze(-1), out.unsqueeze(-1))
-        pb.finish = lambda: out
-    elif k == "mm1":
-        o = a.unsqueeze(0).mm(b)
-        pb = Problem(op, a.unsqueeze(0), b, o)
-        pb.finish = lambda: o.squeeze(0)
-    elif k == "mm":
-        out = a.mm(b)
-        pb = Problem(op, a, b, out)
-        pb.finish = lambda: out
-    elif k == "fold":
-        t1f, t2, shape = decompose.fold_operands(plan, a, b)
+        return (a.unsqueeze(0), b.unsqueeze(-1), None, lambda c: c.view(()),
+                lambda: a.dot(b).view(1, 1))
+    if k == "mv":
+        return a, b.unsqueeze(-1), None, lambda c: c.squeeze(-1), lambda: a.mv(b).unsqueeze(-1)
+    if k == "mm1":
+        x = a.unsqueeze(0)
+        return x, b, None, lambda c: c.squeeze(0), lambda: x.mm(b)
+    if k == "mm":
+        return a, b, None, lambda c: c, lambda: a.mm(b)
+    if k == "fold":
+        x, t2, shape = decompose.fold_operands(plan, a, b)
         flat = None if plan.transpose else tuple(shape[:-1] if t2.dim() == 2 else shape)
         if t2.dim() == 2:
-            o = t1f.mm(t2)
-            pb = Problem(op, t1f, t2, o, flat_rows=flat)
-            pb.finish = (lambda: o.view(shape).mT.contiguous()) if plan.transpose else (lambda: o.view(shape))
-        else:
-            o = t1f.mv(t2)
-            pb = Problem(op, t1f, t2.unsqueeze(-1), o.unsqueeze(-1), flat_rows=flat)
-            pb.finish = lambda: o.view(shape)
-    else:
-        ae, be, shape, _ = decompose.bmm_operands(plan, a, b)
-        o = ae.bmm(be)
-        pb = Problem(op, ae, be, o)
-        pb.finish = (lambda: o.squeeze(-1).view(shape)) if b.dim() == 1 else (lambda: o.view(shape))
-    return pb
+            fin = (lambda c: c.view(shape).mT.contiguous()) if plan.transpose else (lambda c: c.view(shape))
+            return x, t2, flat, fin, lambda: x.mm(t2)
+        return x, t2.unsqueeze(-1), flat, lambda c: c.view(shape), lambda: x.mv(t2).unsqueeze(-1)
+    x, y, shape, _ = decompose.bmm_operands(plan, a, b)
+    fin = (lambda c: c.squeeze(-1).view(shape)) if b.dim() == 1 else (lambda c: c.view(shape))
+    return x, y, flat, fin, lambda: x.bmm(y)
 
 
 @_plain
