@@ -14,7 +14,9 @@ import torch
 from torch import Tensor
 from torch.library import custom_op
 
-from abft import decompose, ops
+from abft import decompose, ops, weightcache
+from abft.decompose import rows2d
+from abft.kernels.reference import weight_stats
 
 
 def _product(kind, a, b, op, phase, module):
@@ -41,18 +43,18 @@ def _g(kind, a, b, op, phase, module):
 # -- linear ------------------------------------------------------------------------------------
 
 @custom_op("abft::linear", mutates_args=())
-def linear_op(x: Tensor, w: Tensor, b: Optional[Tensor], module: str) -> Tensor:
-    from abft import nn as _nn
-    return ops.linear(x, w, b, module=module or None, weight_stats=_nn.weight_stats_for(w, module))
+def linear_op(x: Tensor, w: Tensor, b: Optional[Tensor], module: str, wkey: int) -> Tensor:
+    stats = weightcache.getter(w, wkey, lambda w_, bn: weight_stats(w_.t(), bn)) if wkey else None
+    return ops.linear(x, w, b, module=module or None, weight_stats=stats)
 
 
 @linear_op.register_fake
-def _(x, w, b, module):
+def _(x, w, b, module, wkey):
     return x.new_empty((*x.shape[:-1], w.shape[0]))
 
 
 def _linear_setup(ctx, inputs, output):
-    x, w, b, module = inputs
+    x, w, b, module, _ = inputs
     ctx.save_for_backward(x, w)
     ctx.has_bias, ctx.module = b is not None, module
 
@@ -62,12 +64,12 @@ def _linear_backward(ctx, grad):
     gx = gw = gb = None
     if ctx.needs_input_grad[0]:
         gx = _g("matmul", grad, w, "linear", "grad_input", ctx.module)
-    g2 = grad.reshape(-1, grad.shape[-1])
+    g2 = rows2d(grad)
     if ctx.needs_input_grad[1]:
-        gw = _g("mm", g2.t(), x.reshape(-1, x.shape[-1]), "linear", "grad_weight", ctx.module)
+        gw = _g("mm", g2.t(), rows2d(x), "linear", "grad_weight", ctx.module)
     if ctx.has_bias and ctx.needs_input_grad[2]:
         gb = g2.sum(0)
-    return gx, gw, gb, None
+    return gx, gw, gb, None, None
 
 
 linear_op.register_autograd(_linear_backward, setup_context=_linear_setup)
@@ -358,14 +360,16 @@ def baddbmm(input, batch1, batch2, *, beta=1, alpha=1, module=None):
                  float(alpha), module or "")
 
 
-def linear(input, weight, bias=None, *, module=None):
+def linear(input, weight, bias=None, *, module=None, cache=False):
     """Checked ``F.linear`` with checked backward (phases forward, grad_input, grad_weight).
 
     Args:
         input: (..., in).
         weight: (out, in).
         bias: (out,) or None.
+        cache: keep the weight's checksums between its updates (``abft.weightcache``).
     """
     if not ops._enabled():
         return torch.nn.functional.linear(input, weight, bias)
-    return _call(torch.ops.abft.linear, input.device.type, (input, weight, bias), module or "")
+    wkey = weightcache.key(weight) if cache else 0
+    return _call(torch.ops.abft.linear, input.device.type, (input, weight, bias), module or "", wkey)

@@ -4,7 +4,15 @@ and its backward runs torch's derivative formulas for them (bit-identical gradie
 
 The fold decision depends on whether the operands require grad; inside a custom op they never
 do, so the caller passes the flags it saw."""
+import math
+
 import torch
+
+
+def rows2d(t):
+    """(..., K) -> (R, K) with R the product of the leading sizes (also when some size is 0, where
+    ``reshape(-1, K)`` is ambiguous)."""
+    return t.reshape(math.prod(t.shape[:-1]), t.shape[-1])
 
 
 def should_fold(a, b, a_rg, b_rg):
@@ -56,7 +64,7 @@ def fold_operands(plan, a, b):
     t1 = b.mT if plan.transpose else a
     t2 = ((a.t() if plan.da == 2 else a) if plan.transpose else b)
     out_shape = tuple(t1.shape[:-1]) + ((t2.shape[1],) if t2.dim() == 2 else ())
-    return t1.reshape(-1, t1.shape[-1]), t2, out_shape
+    return rows2d(t1), t2, out_shape
 
 
 def bmm_operands(plan, a, b):

@@ -5,61 +5,36 @@ addmm) in place for a checked subclass: the parameters, buffers, hooks and ``sta
 exactly what they were, the optimizer keeps its references, and ``unprotect`` swaps the class back.
 Alarms are labelled with the module's qualified name.
 
-Weight checksums (``cache_weight_checksums=True``, the default for protected modules): the row
-check of Y = X W^T + b needs statistics of W (its row block sums, squared norms and maxima). They
-are kept from the last time W changed (its version counter tells: optimizer steps bump it), which
-saves one pass over W per forward, and makes a change of W at rest (an HBM bit flip between two
-optimizer steps, written behind autograd's back) show as failing row sums at the next forward,
-where a fresh check would see a consistent, wrongly-weighted product. Cost: (out/BN) x in + 2 out
-floats per weight. What it does not see: a change that bumps the version counter (a real update),
-and changes of the input X or of the bias.
+Weight checksums (``cache_weight_checksums=True``, the default for protected modules): the
+statistics of W the row check needs are kept from the last time the weight parameter changed
+(``abft.weightcache``): one pass over W saved per forward, and a change of W at rest (a bit flip
+written behind autograd's back) shows as failing row sums at the next forward, where a fresh
+check would see a consistent, wrongly-weighted product. Under autocast the statistics are those of
+the low-precision copy, kept per version of the parameter. Cost: (out/BN) x in + a few x out floats
+per weight. What it does not see: a change that bumps the version counter (a real update), and
+changes of the input X or of the bias.
 """
-import threading
+import math
 
 from torch import nn
 
-from abft import autograd
-from abft.kernels.reference import operand_stats
-from abft.tolerance import check_dtype, low_entropy
-
-_cache_lock = threading.Lock()
-_cache = {}          # (module name, data_ptr, shape, dtype, device) -> (version, bn, stats)
-_cache_enabled = set()
-
-
-def weight_stats_for(w, module):
-    """The cached statistics getter for a protected module's weight, or None."""
-    if not module or module not in _cache_enabled:
-        return None
-
-    def get(bn):
-        key = (module, w.data_ptr(), tuple(w.shape), w.dtype, w.device)
-        ver = w._version
-        with _cache_lock:
-            hit = _cache.get(key)
-        if hit is not None and hit[0] == ver and hit[1] == bn:
-            return hit[2]
-        b = w.t()
-        cd = check_dtype(w.dtype)
-        stats = (operand_stats(b.mT, bn, cd), low_entropy(b.mT))
-        with _cache_lock:
-            _cache[key] = (ver, bn, stats)
-        return stats
-
-    return get
+from abft import autograd, weightcache
 
 
 class _Checked:
     """Mixin whose ``forward`` runs the checked op; ``_abft_name`` labels the alarms."""
     _abft_name = ""
     _abft_kind = "linear"
+    _abft_cache = True
 
     def forward(self, x):
         if self._abft_kind == "conv1d":          # transformers.pytorch_utils.Conv1D
             shape = x.size()[:-1] + (self.nf,)
-            y = autograd.addmm(self.bias, x.view(-1, x.size(-1)), self.weight, module=self._abft_name)
+            y = autograd.addmm(self.bias, x.reshape(math.prod(x.shape[:-1]), x.shape[-1]), self.weight,
+                                module=self._abft_name)
             return y.view(shape)
-        return autograd.linear(x, self.weight, self.bias, module=self._abft_name)
+        return autograd.linear(x, self.weight, self.bias, module=self._abft_name,
+                               cache=self._abft_cache)
 
 
 _classes = {}
@@ -94,10 +69,9 @@ class Linear(_Checked, nn.Linear):
 
 def _label(mod, name, cache):
     mod._abft_name = name
-    if cache:
-        _cache_enabled.add(name)
-    else:
-        _cache_enabled.discard(name)
+    mod._abft_cache = bool(cache)
+    if cache and getattr(mod, "weight", None) is not None:
+        weightcache.key(mod.weight)
 
 
 def _kind(mod):
@@ -138,7 +112,8 @@ def unprotect(model):
     for name, mod in model.named_modules():
         if isinstance(mod, _Checked):
             base = type(mod)._abft_base
-            _cache_enabled.discard(mod._abft_name)
             mod.__class__ = base
+            for attr in ("_abft_name", "_abft_cache"):
+                mod.__dict__.pop(attr, None)
             names.append(name)
     return names

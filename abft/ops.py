@@ -5,6 +5,7 @@ are torch's), then checks it through the backend, under the current ``abft.scope
 ``abft.config`` policy. With the kill switch (``enabled=False`` or ``ABFT_DISABLE=1``) each op is
 the plain torch call.
 """
+import math
 import os
 import sys
 import threading
@@ -15,8 +16,9 @@ import torch.nn.functional as F
 from abft import settings as _config
 from abft import context, coverage, decompose, faults, policy
 from abft.alarms import SilentCorruptionError
+from abft.decompose import rows2d
 from abft.kernels import reference
-from abft.tolerance import units as _units
+from abft.kernels import threshold as T
 
 SUPPORTED = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 
@@ -37,11 +39,13 @@ _sites_lock = threading.Lock()
 
 
 class Problem:
-    """One product in canonical form: out's view c (..., M, N) = alpha * a (..., M, K) @ b + addend."""
+    """One product in canonical form: out's view c (..., M, N) = alpha * a (..., M, K) @ b
+    + beta * addend."""
 
-    def __init__(self, op, a, b, c, alpha=1.0, addend=None, flat_rows=None):
+    def __init__(self, op, a, b, c, alpha=1.0, addend=None, flat_rows=None, beta=1.0):
         self.op, self.a, self.b, self.c = op, a, b, c
         self.alpha, self.addend, self.flat_rows = alpha, addend, flat_rows
+        self.beta = float(beta)
         self.shape, self.dtype = tuple(c.shape), c.dtype
 
     def verify(self, ctx, s):
@@ -57,38 +61,31 @@ class TritonProblem(Problem):
     (after the first K step)."""
 
     def __init__(self, op, a, b, bias=None, flat_rows=None, finish=None, *, addend=None,
-                 alpha=1.0, beta=1.0):
+                 alpha=1.0, beta=1.0, b_stats=None):
         self.op, self.a, self.b, self.bias, self.flat_rows = op, a, b, bias, flat_rows
+        self.b_stats = b_stats
         self.kernel_addend, self.kernel_beta = addend, float(beta)
         self.alpha, self.c = float(alpha), None
         # the addend as the reference re-check (policy "correct") sees it
-        if bias is not None:
-            self.addend = bias
-        elif addend is not None and beta != 0:
-            self.addend = addend if beta == 1 else addend * beta
-        else:
-            self.addend = None
+        self.beta = 1.0 if bias is not None else float(beta)
+        self.addend = bias if bias is not None else (addend if beta != 0 else None)
         self.shape = tuple(a.shape[:-1]) + (b.shape[-1],)
         self.dtype = a.dtype
         self._finish = finish or (lambda c: c)
 
     def again(self):
         return TritonProblem(self.op, self.a, self.b, self.bias, self.flat_rows, self._finish,
-                             addend=self.kernel_addend, alpha=self.alpha, beta=self.kernel_beta)
+                             addend=self.kernel_addend, alpha=self.alpha, beta=self.kernel_beta,
+                             b_stats=self.b_stats)
 
     def verify(self, ctx, s):
-        from abft.kernels import layout as L
         from abft.kernels import triton_gemm
         inject = faults.kernel_injection(ctx) if faults.active() else None
+        bm, bn = s.tiles or triton_gemm.tiles_for(self.shape[-2], self.shape[-1], self.a.shape[-1], self.dtype)
         self.c, verdict, detail = triton_gemm.checked_gemm(
             self.a, self.b, self.bias, addend=self.kernel_addend, alpha=self.alpha,
-            beta=self.kernel_beta, tiles=s.tiles, inject=inject)
-        if self.alpha != 1.0:
-            # the kernel checks a @ b; residuals and thresholds are reported in c's units
-            verdict = verdict.clone()
-            verdict[..., L.RESIDUAL] *= self.alpha
-            verdict[..., L.THRESHOLD] *= abs(self.alpha)
-        bm, bn = s.tiles or triton_gemm.tiles_for(self.shape[-2], self.shape[-1], self.a.shape[-1], self.dtype)
+            beta=self.kernel_beta, tiles=(bm, bn), inject=inject, lam=s.lam,
+            b_stats=None if self.b_stats is None else self.b_stats(bn))
         if self.c.dim() == 2:
             verdict, detail = verdict[0], (detail[0][0], detail[1][0])
         info = dict(op=self.op, phase=ctx.phase, labels=ctx.labels, call_id=ctx.call_id,
@@ -130,7 +127,8 @@ def _fold(a, c):
     if a.dim() <= 2:
         return a, c, None
     try:
-        return a.view(-1, a.shape[-1]), c.view(-1, c.shape[-1]), tuple(a.shape[:-1])
+        rows = math.prod(a.shape[:-1])
+        return a.view(rows, a.shape[-1]), c.view(rows, c.shape[-1]), tuple(a.shape[:-1])
     except RuntimeError:
         return a, c, None
 
@@ -198,11 +196,10 @@ def run_checked(pb, recompute, *, phase="forward", module=None):
             a.action = "raised"
         policy.emit(alarms, sc.log)
         raise SilentCorruptionError(alarms[0])
-    if s.policy == "correct" and _correctable(alarms):
+    if s.policy == "correct":
         with torch.no_grad():
             for a in alarms:
-                target = pb.c[tuple(a.tile[:-2])] if a.tile[:-2] else pb.c
-                target[_flat_row(a, pb), a.col] -= a.residual
+                _repair(pb, a)
         ctx.attempt = 1
         again = policy.resolve_now(_check(pb, ctx, s))
         if not again:
@@ -234,19 +231,52 @@ def _flat_row(alarm, pb):
     return int(np.ravel_multi_index(tuple(alarm.batch) + (alarm.row,), pb.flat_rows))
 
 
-def _correctable(alarms):
-    return all(a.kind == "checksum" and a.row is not None and a.col is not None
-               and len(a.rows) == 1 and len(a.cols) == 1 for a in alarms)
+def _at(t, batch):
+    """t's (..., R, C) matrix at the product's batch index (size-1 dims broadcast)."""
+    lead = t.dim() - 2
+    idx = batch[len(batch) - lead:] if lead else ()
+    return t[tuple(0 if t.shape[d] == 1 else i for d, i in enumerate(idx))]
+
+
+def _repair(pb, alarm):
+    """Recompute, in float64, what an alarm points at, in place in pb.c: the element where one
+    row sum and one column sum fail (its dot product: never the residual subtracted, which is
+    wrong for a huge error and for errors that cancel in some sums), else the whole tile."""
+    batch, (tp, tq) = tuple(alarm.tile[:-2]), alarm.tile[-2:]
+    c = pb.c[batch] if batch else pb.c
+    if (alarm.kind == "checksum" and alarm.row is not None and alarm.col is not None
+            and len(alarm.rows) == 1 and len(alarm.cols) == 1):
+        i = _flat_row(alarm, pb)
+        rows, cols = slice(i, i + 1), slice(alarm.col, alarm.col + 1)
+    else:
+        rows = slice(tp * alarm.bm, (tp + 1) * alarm.bm)
+        cols = slice(tq * alarm.bn, (tq + 1) * alarm.bn)
+    a, b = _at(pb.a, batch)[rows].double(), _at(pb.b, batch)[:, cols].double()
+    val = pb.alpha * (a @ b)
+    if pb.addend is not None:
+        add = pb.addend
+        while add.dim() < pb.c.dim():
+            add = add.unsqueeze(0)
+        add = _at(add.expand(*add.shape[:-2], *pb.c.shape[-2:]), batch)[rows, cols]
+        val = val + pb.beta * add.double()
+    c[rows, cols] = val.to(c.dtype)
+
+
+def _units(pb):
+    """The reference backend's round-off units: the stored output checked in float64; bf16 GEMMs
+    on CPUs flush subnormal inputs and products to zero."""
+    c = pb.c
+    return T.units(c.dtype, tf32=_tf32(pb.a),
+                   flush=c.device.type == "cpu" and c.dtype == torch.bfloat16)
 
 
 def _check(pb, ctx, s):
     bm, bn = s.tiles or (256, 256)
-    u = _units(pb.c.dtype, tf32=_tf32(pb.a))
-    b_stats = getattr(pb, "b_stats", None)
-    verdict, detail = reference.check(pb.a, pb.b, pb.c, bm=bm, bn=bn, units=u, alpha=pb.alpha,
-                                      addend=pb.addend, lam=s.lam,
-                                      b_stats=None if b_stats is None else b_stats(bn))
     m, n = pb.c.shape[-2], pb.c.shape[-1]
+    b_stats = getattr(pb, "b_stats", None)
+    verdict, detail = reference.check(pb.a, pb.b, pb.c, bm=bm, bn=bn, units=_units(pb),
+                                      alpha=pb.alpha, addend=pb.addend, beta=pb.beta, lam=s.lam,
+                                      b_stats=None if b_stats is None else b_stats(max(1, min(bn, n))))
     info = dict(op=pb.op, phase=ctx.phase, labels=ctx.labels, call_id=ctx.call_id,
                 rank=context.current_rank(),
                 shapes=(tuple(pb.a.shape), tuple(pb.b.shape)), dtype=str(pb.c.dtype).replace("torch.", ""),
@@ -352,8 +382,8 @@ def bmm(a, b, *, op="bmm", phase="forward", module=None):
     return _finish(op, out, lambda o: _simple(op, a, b, o, lambda: torch.bmm(a, b)), phase, module)
 
 
-def _simple(op, a, b, out, again, alpha=1.0, addend=None):
-    pb = Problem(op, a, b, out, alpha=alpha, addend=addend)
+def _simple(op, a, b, out, again, alpha=1.0, addend=None, beta=1.0):
+    pb = Problem(op, a, b, out, alpha=alpha, addend=addend, beta=beta)
     pb.result, pb.recompute = out, again
     return pb
 
@@ -368,10 +398,9 @@ def addmm(input, mat1, mat2, *, beta=1, alpha=1, module=None):
     if not _enabled():
         return out
     _require_float("addmm", input, mat1, mat2)
-    addend = None if beta == 0 else (input if beta == 1 else input * beta)
     return _finish("addmm", out, lambda o: _simple(
         "addmm", mat1, mat2, o, lambda: torch.addmm(input, mat1, mat2, beta=beta, alpha=alpha),
-        alpha=float(alpha), addend=addend), module=module)
+        alpha=float(alpha), addend=None if beta == 0 else input, beta=beta), module=module)
 
 
 @_plain
@@ -385,21 +414,21 @@ def baddbmm(input, batch1, batch2, *, beta=1, alpha=1, module=None):
     if not _enabled():
         return out
     _require_float("baddbmm", input, batch1, batch2)
-    addend = None if beta == 0 else (input if beta == 1 else input * beta)
     return _finish("baddbmm", out, lambda o: _simple(
         "baddbmm", batch1, batch2, o,
         lambda: torch.baddbmm(input, batch1, batch2, beta=beta, alpha=alpha),
-        alpha=float(alpha), addend=addend), module=module)
+        alpha=float(alpha), addend=None if beta == 0 else input, beta=beta), module=module)
 
 
 @_plain
 def linear(input, weight, bias=None, *, module=None, weight_stats=None):
     """Checked ``F.linear``: input (..., in) @ weight.T (out, in) + bias (out,)."""
     if _enabled() and _use_triton(input, weight) and input.dim() >= 2 and (bias is None or bias.dim() == 1):
-        x2 = input.reshape(-1, input.shape[-1])
+        x2 = rows2d(input)
         lead = tuple(input.shape[:-1])
         return _triton(TritonProblem("linear", x2, weight.t(), bias, lead if len(lead) > 1 else None,
-                                     lambda c: c.view(*lead, c.shape[-1])), "forward", module)
+                                     lambda c: c.view(*lead, c.shape[-1]), b_stats=weight_stats),
+                       "forward", module)
     out = F.linear(input, weight, bias)
     if not _enabled():
         return out

@@ -17,7 +17,7 @@ class Settings:
     on_alarm: object = None            # callable(Alarm)
     max_pending: int = 256             # verdicts queued before they resolve themselves
     max_pending_bytes: int = 64 << 20
-    lam: float = None                  # threshold multiplier override (None: abft.tolerance.LAMBDA)
+    lam: float = None                  # threshold multiplier override (None: abft.kernels.threshold.LAMBDA)
 
 
 _settings = Settings(enabled=os.environ.get("ABFT_DISABLE", "") not in ("1", "true", "yes"))

@@ -16,7 +16,7 @@ import triton
 from abft.kernels import layout as L
 from abft.kernels import triton_gemm as TG
 from abft.kernels.reference import check
-from abft.tolerance import units
+from abft.kernels.threshold import units
 
 
 def _alarmed(v):

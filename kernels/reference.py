@@ -5,210 +5,127 @@ For C = alpha * A.B + addend, with A (..., M, K), B (..., K, N) and tiles of BM 
 - column sums: for each block p of BM rows and each column j, sum_i C_ij - sum_i addend_ij
   against alpha * (s_p . B_j) with s_p = sum_{i in p} A_i;
 - row sums: for each row i and each block q of BN columns, the same with A and B swapped.
-Checks run in float32 (float64 for float64 operands); ``abft.tolerance`` gives the thresholds.
+The checks run in float64, on values scaled by powers of two per block and column
+(``abft.kernels.stats``); ``abft.kernels.threshold`` gives the thresholds, with the product's
+accumulation modelled as recursive (the order any BLAS may use).
 
-Cost beyond the product: two GEMMs of (M/BM) x K x N and M x K x (N/BN), and a fixed number of
-elementwise passes and reductions over A, B and C; no host synchronisation.
+Cost beyond the product: two thin GEMMs of (M/BM) x K x N and M x K x (N/BN) in float64, and a
+fixed number of elementwise passes and reductions over A, B and C; no host synchronisation.
 """
 import math
-import threading
 
 import torch
 
-from abft.tolerance import SMALL_K, check_dtype, low_entropy, norm_bound, sum_threshold, worst_case
 from abft.kernels import layout as L
+from abft.kernels import threshold as T
+from abft.kernels.stats import _CHUNK, _pad_blocks, _rows_per_chunk, _sum_blocks, operand_stats
 
-__all__ = ["check", "block_sum"]
+__all__ = ["check", "weight_stats"]
 
-
-def _counts(n, bs, dim, like):
-    nf, r = divmod(n, bs)
-    counts = torch.tensor([bs] * nf + ([r] if r else []), dtype=like.dtype, device=like.device)
-    shape = [1] * like.dim()
-    shape[dim] = counts.numel()
-    return counts.view(shape)
+F64 = torch.float64
 
 
-def block_sum(x, dim, bs, n=None):
-    """Sums of consecutive blocks of ``bs`` elements along ``dim`` (-1 or -2); the last block may
-    be shorter. A size-1 ``dim`` stands for a broadcast of length ``n``."""
-    if n is not None and x.shape[dim] == 1 and n != 1:
-        return x * _counts(n, bs, x.dim() + dim, x)
-    size = x.shape[dim]
-    nf, r = divmod(size, bs)
-    if r == 0:
-        return x.unflatten(dim, (nf, bs)).sum(dim)
-    parts = []
-    if nf:
-        parts.append(x.narrow(dim, 0, nf * bs).unflatten(dim, (nf, bs)).sum(dim))
-    if r:
-        parts.append(x.narrow(dim, nf * bs, r).sum(dim, keepdim=True))
-    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+def weight_stats(b, bn):
+    """Statistics of the columns of B (K, N) for blocks of ``bn`` columns: what ``check`` needs of
+    a B that does not change between calls (a weight), to pass back as ``b_stats``."""
+    k = b.shape[-2]
+    return operand_stats(b.mT, bn, need_s=True, need_abs=k <= T.SMALL_K)
 
 
-def _pad_blocks(x, dim, bs, value):
-    """View ``x`` (..., n, ...) as (..., ceil(n/bs), bs, ...) along ``dim``, padding with ``value``."""
-    n = x.shape[dim]
-    t = -(-n // bs)
-    if t * bs != n:
-        pad = list(x.shape)
-        pad[dim] = t * bs - n
-        x = torch.cat([x, x.new_full(pad, value)], dim)
-    return x.unflatten(dim, (t, bs))
-
-
-def _amax(x, dim):
-    if x.shape[dim] == 0:
-        return x.sum(dim)
-    return x.amax(dim)
-
-
-def _multiplicity(key, bs):
-    """Largest number of rows with equal keys (their sums of squares) in each block of ``bs``
-    rows: (..., R) -> (..., T). Equal rows have equal keys; unequal rows with equal keys only
-    make the threshold larger."""
-    kb = _pad_blocks(key, -1, bs, float("nan"))
-    same = torch.count_nonzero(kb.unsqueeze(-1) == kb.unsqueeze(-2), dim=-1)
-    return same.amax(-1).clamp_min(1).to(key.dtype)
-
-
-_CHUNK = 1 << 19          # elements per chunk on the CPU: 2 MiB of float32, about one L2 (1 MiB a core here)
-_local = threading.local()
-
-
-def _workspace(shape, dtype, device, slot):
-    """A reusable buffer on the CPU, where fresh large temporaries cost page faults on every call.
-    Elsewhere the caching allocator already reuses memory, and a kept full-size buffer would pin it."""
-    if device.type != "cpu":
-        return torch.empty(shape, dtype=dtype, device=device)
-    n = math.prod(shape)
-    key = (slot, dtype, device)
-    pool = getattr(_local, "pool", None)
-    if pool is None:
-        pool = _local.pool = {}
-    buf = pool.get(key)
-    if buf is None or buf.numel() < n:
-        buf = pool[key] = torch.empty(max(n, 1), dtype=dtype, device=device)
-    return buf[:n].view(shape)
-
-
-def _rows_per_chunk(x, bs, width):
-    if x.device.type != "cpu":
-        return x.shape[-2]
-    batch = math.prod(x.shape[:-2])
-    return bs * max(1, _CHUNK // max(1, bs * width * batch))
-
-
-def operand_stats(x, bs, cd):
-    """One pass over x (..., R, K) in chunks: block sums s (..., T, K) and block sums of squares
-    alpha (..., T, K) over blocks of ``bs`` rows, and per row the sum l1 and max inf of x^2."""
-    *batch, r, k = x.shape
-    t = -(-r // bs)
-    s = torch.empty(*batch, t, k, dtype=cd, device=x.device)
-    alpha = torch.empty_like(s)
-    l1 = torch.empty(*batch, r, dtype=cd, device=x.device)
-    inf = torch.empty_like(l1)
+def _pred_col(s, b, f):
+    """(..., TM, N): s (..., TM, K) @ (B scaled by 2^-f per column), in float64, in K chunks."""
+    *batch, tm, k = s.shape
+    n = b.shape[-1]
+    out = torch.zeros(*batch, tm, n, dtype=F64, device=s.device)
     if k == 0:
-        for z in (s, alpha, l1, inf):
-            z.zero_()
-        return s, alpha, l1, inf
-    if x.stride(-2) == 1 and x.stride(-1) != 1 and r > 1:
-        # Column-major (B of a row-major K x N, seen as N x K): chunk along K instead.
-        step = max(1, _CHUNK // max(1, r * math.prod(batch)))
-        l1.zero_()
-        inf.zero_()
-        for k0 in range(0, k, step):
-            xt = x[..., :, k0:k0 + step].mT.to(cd)                # (..., kk, R), row-major
-            sq = torch.mul(xt, xt, out=_workspace(xt.shape, cd, x.device, 0))
-            s[..., k0:k0 + step] = block_sum(xt, -1, bs).mT
-            alpha[..., k0:k0 + step] = block_sum(sq, -1, bs).mT
-            l1 += sq.sum(-2)
-            torch.maximum(inf, _amax(sq, -2), out=inf)
-        return s, alpha, l1, inf
-    step = _rows_per_chunk(x, bs, k)
-    for r0 in range(0, r, step):
-        xr = x[..., r0:r0 + step, :].to(cd)
-        t0 = r0 // bs
-        sq = torch.mul(xr, xr, out=_workspace(xr.shape, cd, x.device, 0))
-        s[..., t0:t0 + -(-xr.shape[-2] // bs), :] = block_sum(xr, -2, bs)
-        alpha[..., t0:t0 + -(-xr.shape[-2] // bs), :] = block_sum(sq, -2, bs)
-        l1[..., r0:r0 + step] = sq.sum(-1)
-        inf[..., r0:r0 + step] = _amax(sq, -1)
-    return s, alpha, l1, inf
+        return out
+    sc = torch.exp2(-f).unsqueeze(-2)
+    step = max(1, _CHUNK // max(1, n * max(1, math.prod(batch))))
+    for k0 in range(0, k, step):
+        out += s[..., k0:k0 + step] @ (b[..., k0:k0 + step, :].to(F64) * sc)
+    return out
 
 
-def output_stats(c, bm, bn, cd, need_abs):
-    """One pass over c (..., M, N) in chunks of row blocks: for column sums (..., TM, N) and row
-    sums (..., M, TN) the sums of c, of c^2 and (if ``need_abs``) of |c|."""
+def _pred_row(a, e, sb):
+    """(..., M, TN): (A scaled by 2^-e per row) @ sb (..., TN, K)^T, in float64, in row chunks."""
+    *batch, m, k = a.shape
+    tn = sb.shape[-2]
+    out = torch.zeros(*batch, m, tn, dtype=F64, device=a.device)
+    if k == 0:
+        return out
+    step = max(1, _CHUNK // max(1, k * max(1, math.prod(batch))))
+    for r0 in range(0, m, step):
+        xs = a[..., r0:r0 + step, :].to(F64) * torch.exp2(-e[..., r0:r0 + step]).unsqueeze(-1)
+        out[..., r0:r0 + step, :] = xs @ sb.mT
+    return out
+
+
+def _sums(z, bs, dim):
+    """Block sums along ``dim`` of z's finite values, their squares and magnitudes, and the count of
+    non-finite values."""
+    ok = torch.isfinite(z)
+    zf = torch.where(ok, z, torch.zeros((), dtype=z.dtype, device=z.device))
+    big = torch.finfo(z.dtype).max
+    return (_sum_blocks(zf, bs, dim), _sum_blocks(zf * zf, bs, dim).clamp(max=big),
+            _sum_blocks(zf.abs(), bs, dim), _sum_blocks((~ok).to(z.dtype), bs, dim))
+
+
+def _output_sums(c, addend, ast, bst, bm, bn):
+    """One pass over C (and the addend) in row chunks, scaled per side: for column sums
+    (..., TM, N), C 2^-(E_p + f_j); for row sums (..., M, TN), C 2^-(e_i + F_q). Returns per side
+    the sums of C, C^2, |C| and the non-finite count, then (with an addend) the same of the addend."""
     *batch, m, n = c.shape
     tm, tn = -(-m // bm), -(-n // bn)
-    col = [torch.empty(*batch, tm, n, dtype=cd, device=c.device) for _ in range(3 if need_abs else 2)]
-    row = [torch.empty(*batch, m, tn, dtype=cd, device=c.device) for _ in range(3 if need_abs else 2)]
+    nz = 8 if addend is not None else 4
+    col = [torch.zeros(*batch, tm, n, dtype=F64, device=c.device) for _ in range(nz)]
+    row = [torch.zeros(*batch, m, tn, dtype=F64, device=c.device) for _ in range(nz)]
+    E_rows = ast.E.repeat_interleave(bm, -1)[..., :m]
+    F_cols = bst.E.repeat_interleave(bn, -1)[..., :n]
+    col_scale_n = torch.exp2(-bst.e).unsqueeze(-2)          # (..., 1, N)
+    row_scale_n = torch.exp2(-F_cols).unsqueeze(-2)
     step = _rows_per_chunk(c, bm, n)
     for r0 in range(0, m, step):
-        cr = c[..., r0:r0 + step, :].to(cd)
-        t0, t1 = r0 // bm, r0 // bm + -(-cr.shape[-2] // bm)
-        parts = [cr, torch.mul(cr, cr, out=_workspace(cr.shape, cd, c.device, 1))]
-        if need_abs:
-            parts.append(torch.abs(cr, out=_workspace(cr.shape, cd, c.device, 2)))
-        for z, cz, rz in zip(parts, col, row):
-            cz[..., t0:t1, :] = block_sum(z, -2, bm)
-            rz[..., r0:r0 + step, :] = block_sum(z, -1, bn)
+        cr = c[..., r0:r0 + step, :].to(F64)
+        rows = cr.shape[-2]
+        t0, t1 = r0 // bm, r0 // bm + -(-rows // bm)
+        zc = cr * torch.exp2(-E_rows[..., r0:r0 + step]).unsqueeze(-1) * col_scale_n
+        zr = cr * torch.exp2(-ast.e[..., r0:r0 + step]).unsqueeze(-1) * row_scale_n
+        parts_c, parts_r = list(_sums(zc, bm, -2)), list(_sums(zr, bn, -1))
+        if addend is not None:
+            d = addend[..., r0:r0 + step, :] if addend.shape[-2] != 1 else addend
+            d = d.to(F64).expand(*cr.shape)
+            dc = d * torch.exp2(-E_rows[..., r0:r0 + step]).unsqueeze(-1) * col_scale_n
+            dr = d * torch.exp2(-ast.e[..., r0:r0 + step]).unsqueeze(-1) * row_scale_n
+            parts_c += list(_sums(dc, bm, -2))
+            parts_r += list(_sums(dr, bn, -1))
+        for z, p in zip(col, parts_c):
+            z[..., t0:t1, :] = p
+        for z, p in zip(row, parts_r):
+            z[..., r0:r0 + step, :] = p
     return col, row
 
 
-def _side(x, y, xst, yst, x_low, y_low, out_sums, pred, addend, alpha, bs, u, lam, k, r_len):
-    """Residuals and thresholds (..., T, S) of the sums of z = alpha x.y + addend over blocks of
-    ``bs`` rows of x, from the operand statistics ``xst`` (rows of x) and ``yst`` (columns of y)."""
-    s, xalpha, x_l1, _ = xst
-    _, _, y_l1, y_inf = yst
-    sums, sq_sums = out_sums[0], out_sums[1]
-    if alpha != 1:
-        pred = pred * alpha
-    res = sums - pred
-    addend_sq = None
-    if addend is not None:
-        res = res - block_sum(addend, -2, bs, r_len)
-        addend_sq = block_sum(addend.square(), -2, bs, r_len)
-    xs = xalpha + s.square()
-    qbound = norm_bound(xs.sum(-1, keepdim=True), _amax(xs, -1).unsqueeze(-1),
-                        y_l1.unsqueeze(-2), y_inf.unsqueeze(-2))
-    if alpha != 1:
-        qbound = qbound * (alpha * alpha)
-    nu = _multiplicity(x_l1, bs).unsqueeze(-1)
-    low = _block_max(x_low.to(s.dtype), bs).unsqueeze(-1).bool() & y_low.unsqueeze(-2)
-    # A corrupted C may overflow C^2 in the check dtype; a legitimate one cannot while the
-    # input-derived terms are finite (C_ij^2 <= K Q_ij), so clamping keeps huge errors visible.
-    big = torch.finfo(s.dtype).max
-    sq_sums = sq_sums.clamp(max=big)
-    abs_sums = out_sums[2].clamp(max=big) if len(out_sums) > 2 else (bs * sq_sums).sqrt()
-    thr = sum_threshold(u, k=k, bs=bs, sums=sums, sq_sums=sq_sums, pred=pred,
-                        qbound=qbound, nu=nu, abs_sums=abs_sums, low_entropy=low,
-                        addend_sq=addend_sq, **({} if lam is None else {"lam": lam}))
-    if k <= SMALL_K:
-        t = block_sum(x.abs().to(s.dtype), -2, bs) @ y.abs().to(s.dtype)
-        if alpha != 1:
-            t = t * abs(alpha)
-        abs_add = None if addend is None else block_sum(addend.abs(), -2, bs, r_len)
-        thr = torch.minimum(thr, worst_case(u, k=k, bs=bs, t=t, abs_sums=abs_sums,
-                                            abs_addend=abs_add)).clamp_min(u.tiny)
-    return res, thr
+def _side(coef, sums, pred, xst, yst, alpha, t):
+    """Residuals and thresholds (..., T, S) of one side's sums: x is the summed operand (blocks
+    along T), y the other (rows along S)."""
+    s1, s2, sa, nf = sums[:4]
+    d1, d2, da = sums[4:7] if len(sums) > 4 else (None, None, None)
+    a2 = alpha * alpha
+    res = s1 - alpha * pred - (d1 if d1 is not None else 0.0)
+    col = lambda v: v.unsqueeze(-1)
+    row = lambda v: v.unsqueeze(-2)
+    low = col(xst.block_low()) & row(yst.low)
+    thr = T.threshold(coef, s1=s1, s2=s2, sa=sa, pred=alpha * pred,
+                      x1=col(xst.x1) * a2, xinf=col(xst.xinf) * a2,
+                      xs1=col(xst.xs1) * a2, xsinf=col(xst.xsinf) * a2,
+                      y1=row(yst.r1), yinf=row(yst.rinf), nu=col(xst.nu), low=low,
+                      ex=col(xst.E), ey=row(yst.e), d2=d2, da=da,
+                      t=None if t is None else t * abs(alpha))
+    return res, thr, nf
 
 
-def _tile_fields(ratio, res, thr, offset_block, dim):
-    """ratio/res/thr: tiles with their sums along ``dim`` -> (..., TM, TN) worst ratio, failing
-    count, global index, residual and threshold of the worst sum."""
-    mag = ratio.abs()
-    worst, idx = mag.max(dim)
-    fails = torch.count_nonzero(mag > 1, dim=dim).to(ratio.dtype)
-    where = idx.to(ratio.dtype) + offset_block
-    where = torch.where(fails > 0, where, torch.full_like(where, -1.0))
-    pick = idx.unsqueeze(dim)
-    return worst, fails, where, res.gather(dim, pick).squeeze(dim), thr.gather(dim, pick).squeeze(dim)
-
-
-def check(a, b, c, *, bm, bn, units, alpha=1.0, addend=None, lam=None, return_sums=False,
-          b_stats=None):
+def check(a, b, c, *, bm, bn, units, acc=None, alpha=1.0, addend=None, beta=1.0, lam=None,
+          return_sums=False, b_stats=None):
     """Verify ``c == alpha * a @ b + addend`` tile by tile.
 
     Args:
@@ -216,14 +133,14 @@ def check(a, b, c, *, bm, bn, units, alpha=1.0, addend=None, lam=None, return_su
         b: (..., K, N) operand.
         c: (..., M, N) the product as computed (batch dims: the broadcast of a's and b's).
         bm, bn: tile rows and columns.
-        units: ``abft.tolerance.Units`` of the product.
+        units: ``threshold.Units`` of the product.
+        acc: ``threshold.Accumulation`` of the product (default: recursive).
         alpha: the product's scale (addmm, baddbmm).
-        addend: tensor broadcastable to ``c`` (already scaled by beta), or None.
-        lam: threshold multiplier (None: ``abft.tolerance.LAMBDA``).
-        b_stats: ``(operand_stats(b.mT, bn), low_entropy(b.mT))`` kept from an earlier call
-            (a weight that has not changed): skips a pass over B, and makes a change of B at
-            rest show as a failing row check.
-        return_sums: also return a dict of the residuals and thresholds of every sum
+        addend: tensor broadcastable to ``c``, or None; beta: its scale.
+        lam: threshold multiplier (None: ``threshold.LAMBDA``).
+        b_stats: ``weight_stats(b, bn)`` kept from an earlier call (a weight that has not changed):
+            skips a pass over B, and makes a change of B at rest show as a failing row check.
+        return_sums: also return a dict of the residuals and thresholds of every sum, in C's units
             (``res_col``, ``thr_col`` (..., TM, N), ``res_row``, ``thr_row`` (..., M, TN)).
 
     Returns:
@@ -237,96 +154,124 @@ def check(a, b, c, *, bm, bn, units, alpha=1.0, addend=None, lam=None, return_su
     tm, tn = -(-m // bm), -(-n // bn)
     if m == 0 or n == 0:
         v = torch.zeros(*batch, tm, tn, L.NFIELDS, dtype=torch.float32, device=c.device)
-        return v, (torch.zeros(*batch, m, tn, device=c.device), torch.zeros(*batch, tm, n, device=c.device))
-    cd = check_dtype(c.dtype)
+        out = (v, (torch.zeros(*batch, m, tn, device=c.device), torch.zeros(*batch, tm, n, device=c.device)))
+        return (*out, {}) if return_sums else out
     k = a.shape[-1]
+    acc = acc or T.recursive(k)
+    alpha = float(alpha)
     with torch.no_grad():
         if addend is not None:
-            addend = addend.to(cd)
+            addend = addend.to(F64) if beta == 1 else addend.to(F64) * float(beta)
             while addend.dim() < c.dim():
                 addend = addend.unsqueeze(0)
-        # Statistics of the rows of A and of the columns of B (the rows of B^T), one pass each.
-        ast = operand_stats(a, bm, cd)
-        if b_stats is None:
-            bst, b_low = operand_stats(b.mT, bn, cd), low_entropy(b.mT)
-        else:
-            bst, b_low = b_stats
-        a_l1, b_l1 = ast[2], bst[2]
-        need_abs = bool(units.out) or k <= SMALL_K
-        col_sums, row_sums = output_stats(c, bm, bn, cd, need_abs)
-        # The predicted sums: two thin GEMMs, (TM x K)(K x N) and (M x K)(K x TN).
-        ac, bc = a.to(cd), b.to(cd)
-        pred_col = ast[0] @ bc
-        pred_row = (ac @ bst[0].mT).mT
-        a_low = low_entropy(a)
-        res_c, thr_c = _side(ac, bc, ast, bst, a_low, b_low, col_sums, pred_col,
-                             addend, alpha, bm, units, lam, k, m)
-        res_r, thr_r = _side(bc.mT, ac.mT, bst, ast, b_low, a_low, [z.mT for z in row_sums],
-                             pred_row, None if addend is None else addend.mT, alpha, bn, units,
-                             lam, k, n)
-        # (..., TN, M) -> (..., M, TN)
-        res_r, thr_r = res_r.mT, thr_r.mT
-        sums_c, sums_r = col_sums[0], row_sums[0]
+            if addend.shape[-1] != n:
+                addend = addend.expand(*addend.shape[:-1], n)
+        ast = operand_stats(a, bm, need_s=True, need_abs=k <= T.SMALL_K)
+        bst = b_stats if b_stats is not None else weight_stats(b, bn)
+        if bst.bs != bn:
+            raise ValueError(f"b_stats were made for blocks of {bst.bs} columns, not {bn}")
+        pred_col = _pred_col(ast.s, b, bst.e)                    # (..., TM, N)
+        pred_row = _pred_row(a, ast.e, bst.s)                    # (..., M, TN)
+        cs, rs = _output_sums(c, addend, ast, bst, bm, bn)
+        t_col = t_row = None
+        if k <= T.SMALL_K:
+            t_col = _pred_col(ast.absum, b.abs(), bst.e)
+            t_row = _pred_row(a.abs(), ast.e, bst.absum)
+        coef_c = T.coefficients(units, k=k, bs=bm, acc=acc, lam=lam)
+        coef_r = T.coefficients(units, k=k, bs=bn, acc=acc, lam=lam)
+        res_c, thr_c, nf_c = _side(coef_c, cs, pred_col, ast, bst, alpha, t_col)
+        res_r, thr_r, nf_r = _side(coef_r, [z.mT for z in rs], pred_row.mT, bst, ast, alpha,
+                                   None if t_row is None else t_row.mT)
+        res_r, thr_r, nf_r = res_r.mT, thr_r.mT, nf_r.mT         # (..., M, TN)
+        ex_c = ast.E.unsqueeze(-1) + bst.e.unsqueeze(-2)          # scale exponents of the sums
+        ex_r = ast.e.unsqueeze(-1) + bst.E.unsqueeze(-2)
 
-        # Status per tile: inputs finite, output finite, thresholds representable.
-        inputs_ok = (_block_finite(a_l1, bm).unsqueeze(-1)
-                     & _block_finite(b_l1, bn).unsqueeze(-2)).expand(*batch, tm, tn)
-        peak = (_block_max(a_l1, bm).sqrt().unsqueeze(-1)
-                * _block_max(b_l1, bn).sqrt().unsqueeze(-2) * abs(alpha))
+        # Status per tile: inputs finite; output finite (or, where not, provably a fault);
+        # thresholds representable.
+        inputs_ok = (ast.block_finite().unsqueeze(-1) & bst.block_finite().unsqueeze(-2)).expand(*batch, tm, tn)
+        col_view = lambda z, v: _pad_blocks(z, bn, v)                            # (..., TM, TN, BN)
+        row_view = lambda z, v: _pad_blocks(z.mT, bm, v).transpose(-3, -2)       # (..., TM, TN, BM)
         if addend is not None:
-            add_abs = _pad_blocks(addend.abs().expand(*batch, m, n), -2, bm, 0.0).amax(-2)
-            add_peak = _block_max(add_abs, bn)                                  # (..., TM, TN)
-            inputs_ok = inputs_ok & torch.isfinite(add_peak)
-            peak = peak + add_peak
-        col_view = lambda t, v: _pad_blocks(t, -1, bn, v)                       # (..., TM, TN, BN)
-        row_view = lambda t, v: _pad_blocks(t, -2, bm, v)                       # (..., TM, BM, TN)
-        c_bad = ~(torch.isfinite(col_view(sums_c, 0.0)).all(-1)
-                  & torch.isfinite(row_view(sums_r, 0.0)).all(-2))
-        thr_bad = ~(torch.isfinite(col_view(thr_c, 1.0)).all(-1)
-                    & torch.isfinite(row_view(thr_r, 1.0)).all(-2))
-        may_overflow = peak >= torch.finfo(c.dtype).max
+            inputs_ok = inputs_ok & _tile_all(col_view(cs[7] == 0, True))
+        c_bad = _tile_any(col_view(nf_c > 0, False)) | _tile_any(row_view(nf_r > 0, False))
+        thr_bad = ~(_tile_all(col_view(torch.isfinite(thr_c), True))
+                    & _tile_all(row_view(torch.isfinite(thr_r), True)))
+        fault = _proves_fault(res_c, thr_c, nf_c, ex_c, c.dtype, col_view) \
+            | _proves_fault(res_r, thr_r, nf_r, ex_r, c.dtype, row_view) \
+            | (_peak(ast, bst, alpha, addend, bm, bn) < torch.finfo(c.dtype).max)
         status = torch.full(c_bad.shape, L.UNVERIFIED, dtype=torch.float32, device=c.device)
         status = torch.where(inputs_ok & ~thr_bad & ~c_bad, L.OK, status)
-        status = torch.where(inputs_ok & c_bad & ~may_overflow, L.NONFINITE, status)
-        ok = (status == L.OK).unsqueeze(-1)                     # broadcasts over (..., TM, TN, BN)
+        status = torch.where(inputs_ok & c_bad & fault, L.NONFINITE, status)
 
-        # Ratios: 0 in unverified tiles; a non-finite sum in a NONFINITE tile counts as failing
-        # (inf), so the sums locate the non-finite element too.
-        zero, inf = res_c.new_zeros(()), float("inf")
-        keep = ok | (status == L.NONFINITE).unsqueeze(-1)
-        rc = torch.where(keep, col_view(torch.nan_to_num(res_c / thr_c, inf, inf, inf), 0.0), zero)
-        rr = torch.where(keep.movedim(-1, -2),                  # (..., TM, 1, TN)
-                         row_view(torch.nan_to_num(res_r / thr_r, inf, inf, inf), 0.0), zero)
-        q_off = torch.arange(tn, device=c.device, dtype=rc.dtype) * bn
-        p_off = (torch.arange(tm, device=c.device, dtype=rc.dtype) * bm).unsqueeze(-1)
-        cw_, cf, cidx, cres, cthr = _tile_fields(rc, col_view(res_c, 0.0).expand_as(rc),
-                                                 col_view(thr_c, 1.0).expand_as(rc), q_off, -1)
-        rw_, rf, ridx, rres, rthr = _tile_fields(rr, row_view(res_r, 0.0).expand_as(rr),
-                                                 row_view(thr_r, 1.0).expand_as(rr), p_off, -2)
+        # Ratios: 0 in unverified tiles; a sum over a non-finite element of a NONFINITE tile fails
+        # (inf), so the sums locate it.
+        inf = float("inf")
+        keep = ((status == L.OK) | (status == L.NONFINITE)).unsqueeze(-1)
+        rat_c = torch.where(nf_c > 0, inf, res_c / thr_c)
+        rat_r = torch.where(nf_r > 0, inf, res_r / thr_r)
+        rat_c = torch.nan_to_num(rat_c, inf, inf, -inf)
+        rat_r = torch.nan_to_num(rat_r, inf, inf, -inf)
+        zero = rat_c.new_zeros(())
+        rc = torch.where(keep, col_view(rat_c, 0.0), zero)                       # (..., TM, TN, BN)
+        rr = torch.where(keep, row_view(rat_r, 0.0), zero)                       # (..., TM, TN, BM)
+        real_c = lambda z: z * torch.exp2(ex_c)
+        real_r = lambda z: z * torch.exp2(ex_r)
+        q_off = torch.arange(tn, device=c.device, dtype=F64) * bn
+        p_off = (torch.arange(tm, device=c.device, dtype=F64) * bm).unsqueeze(-1)
+        cw, cf, cidx, cres, cthr = _tile_fields(rc, col_view(real_c(res_c), 0.0), col_view(real_c(thr_c), 1.0), q_off)
+        rw, rf, ridx, rres, rthr = _tile_fields(rr, row_view(real_r(res_r), 0.0), row_view(real_r(thr_r), 1.0), p_off)
         use_col = cf > 0
-        verdict = torch.stack([rw_, rf, ridx, cw_, cf, cidx,
+        verdict = torch.stack([rw, rf, ridx, cw, cf, cidx,
                                torch.where(use_col, cres, rres), torch.where(use_col, cthr, rthr),
-                               status], -1).float()
-        detail = (_unblock_rows(rr, m), _unblock_cols(rc, n))
-    if return_sums:
-        return verdict, detail, dict(res_col=res_c, thr_col=thr_c, res_row=res_r, thr_row=thr_r)
+                               status.to(F64)], -1).float()
+        detail = (rr.transpose(-2, -1).flatten(-3, -2)[..., :m, :].float(),  # (..., M, TN)
+                  rc.flatten(-2, -1)[..., :n].float())                        # (..., TM, N)
+        if return_sums:
+            sums = dict(res_col=real_c(res_c), thr_col=real_c(thr_c), res_row=real_r(res_r),
+                        thr_row=real_r(thr_r))
+            return verdict, detail, sums
     return verdict, detail
 
 
-def _block_max(x, bs):
-    """(..., R) -> (..., T): the maximum of each block (NaN propagates)."""
-    return _pad_blocks(x, -1, bs, 0.0).amax(-1)
+def _tile_all(z):
+    return z.all(-1)
 
 
-def _block_finite(norms, bs):
-    return torch.isfinite(_block_max(norms, bs))
+def _tile_any(z):
+    return z.any(-1)
 
 
-def _unblock_rows(rr, m):
-    """(..., TM, BM, TN) -> (..., M, TN)."""
-    return rr.flatten(-3, -2)[..., :m, :].float()
+def _proves_fault(res, thr, nf, ex, dtype, view):
+    """(..., TM, TN) bool: a sum over exactly one non-finite element whose true value, the sum's
+    residual without it (its estimate, up to the threshold), is finite in ``dtype``: a fault, not
+    an overflow."""
+    limit = torch.finfo(dtype).max * torch.exp2(-ex)
+    est = (-res).abs() + thr
+    return _tile_any(view((nf == 1) & (est < limit), False))
 
 
-def _unblock_cols(rc, n):
-    """(..., TM, TN, BN) -> (..., TM, N)."""
-    return rc.flatten(-2, -1)[..., :n].float()
+def _peak(ast, bst, alpha, addend, bm, bn):
+    """(..., TM, TN): a bound of |alpha a_i . b_j + addend_ij| over the tile (Cauchy-Schwarz, in
+    C's units): below the dtype's maximum, no element can overflow."""
+    ra = torch.sqrt(ast.r1) * torch.exp2(ast.e)
+    rb = torch.sqrt(bst.r1) * torch.exp2(bst.e)
+    peak = _pad_blocks(ra, bm, 0.0).amax(-1).unsqueeze(-1) * \
+        _pad_blocks(rb, bn, 0.0).amax(-1).unsqueeze(-2) * abs(alpha)
+    if addend is not None:
+        m, n = ra.shape[-1], rb.shape[-1]
+        d = addend.abs().expand(*addend.shape[:-2], m, n)
+        d = _pad_blocks(d.mT, bm, 0.0).amax(-1).mT                  # (..., TM, N)
+        peak = peak + _pad_blocks(d, bn, 0.0).amax(-1)
+    return peak
+
+
+def _tile_fields(ratio, res, thr, offset):
+    """ratio/res/thr: (..., TM, TN, B) sums of each tile -> worst ratio, failing count, global
+    index, residual and threshold of the worst sum, each (..., TM, TN)."""
+    mag = ratio.abs()
+    worst, idx = mag.max(-1)
+    fails = torch.count_nonzero(mag > 1, dim=-1).to(ratio.dtype)
+    where = idx.to(ratio.dtype) + offset
+    where = torch.where(fails > 0, where, torch.full_like(where, -1.0))
+    pick = idx.unsqueeze(-1)
+    return worst, fails, where, res.gather(-1, pick).squeeze(-1), thr.gather(-1, pick).squeeze(-1)

@@ -2,37 +2,38 @@
 accumulator before it is rounded.
 
 Design (per output tile of BM x BN, per K step of BK):
-- the product: ``acc += tl.dot(a, b)`` (fp32 accumulation; tf32 for fp32 inputs only when the
-  user's torch setting allows it);
-- the predicted sums, in the same K loop from the tiles already in registers:
+- before the launch, the operand statistics of ``abft.kernels.stats`` (one pass over A and one
+  over B, or the weight's kept statistics): per row and per block of rows the scale exponents,
+  the norms the threshold's magnitude bound is built from, the repeated-row multiplicity and the
+  low-entropy flags. The reference backend builds its thresholds from the same statistics;
+- the K loop: ``acc += tl.dot(a, b)`` (fp32 accumulation; tf32 for fp32 inputs only when the
+  user's torch setting allows it), and the predicted sums from the tiles already in registers:
   column sums ``pc += sum_k (sum_i a_ik) b_kj`` and row sums ``pr += sum_k a_ik (sum_j b_kj)``;
-- the magnitudes of the threshold, exactly (the reference backend can only bound them):
-  ``qc += sum_k (sum_i a_ik^2 + s_k^2) b_kj^2`` and ``qr`` likewise, the row keys sum_k a_ik^2
-  (repeated rows), and for K <= SMALL_K the exact sum |a||b| of the worst-case cap;
-- before the loop, the low-entropy flags of the tile's rows of A and columns of B (16 samples
-  along K each, ``abft.tolerance.low_entropy``), so a checked call is one launch, no side kernels;
-- after the loop, on the accumulator before it is rounded: column and row sums of acc, of acc^2
-  and of |acc|, residuals, thresholds (``abft.tolerance``'s model with u_out = 0: a bf16 GEMM is
-  checked at fp32 resolution), and one verdict record per tile in ``kernels/layout.py``'s format;
-  then the epilogue alpha * acc + beta * D in fp32 (D: linear's bias, addmm's or baddbmm's input,
-  any strides) and one rounding to the output dtype.
+  for K <= SMALL_K also the exact sums of |a||b| of the worst-case cap;
+- after the loop, on the accumulator before it is rounded: its column and row sums, sums of
+  squares and of magnitudes, each side scaled by exact powers of two (2^-(E_p + f_j) for the column
+  sums, 2^-(e_i + F_q) for the row sums), the residuals, the thresholds (``threshold.threshold_tl``:
+  ``abft.kernels.threshold``'s model, u_out = 0, so a bf16 GEMM is checked at fp32 resolution), and
+  one verdict record per tile in ``kernels/layout.py``'s format; then the epilogue
+  alpha * acc + beta * D in fp32 (D: linear's bias, addmm's or baddbmm's input, any strides) and one
+  rounding to the output dtype.
 
-Why predictions in the K loop: no pre-pass over A or B (it would read both operands once more,
-M.K + K.N elements, as many as the GEMM's compulsory reads, in a second launch), no cached weight
-checksums to keep coherent with optimizer steps, and the check sees exactly the tiles the dot
-used. Cost per K step, beside the BM.BN.BK multiply-adds of the dot: the predictions take
-BK(BM + BN) multiply-adds, the magnitudes about 3 BK(BM + BN), all on CUDA cores in fp32:
-4 (1/BM + 1/BN) of the dot's work, 6% at 128 x 128, but at CUDA-core rather than tensor-core
-speed (about 15x slower on Hopper), so on paper the check costs more than the 3% target there.
-Bytes: none beyond the tiles the dot loads, plus 2 x 16 x (BM + BN) sampled elements per tile and
-BM + BN + 9 floats written per tile. Moving the predictions onto tensor cores (s split into bf16
-hi/lo rows appended to the A tile) is the next step and needs a GPU to measure.
-Not measured on a GPU yet: no device was lent to the sessions that wrote it.
+Cost per K step beside the BM.BN.BK multiply-adds of the dot: the predictions take BK (BM + BN)
+multiply-adds on CUDA cores: 2 (1/BM + 1/BN) of the dot's work at CUDA-core speed. The magnitudes
+cost nothing in the loop: they come from the statistics, O(MK + KN) once per call. Bytes: the
+statistics pass reads A and B once more (a kept weight's, not at all) and writes O(M + N) floats;
+the kernel writes BM + BN + 9 floats per tile. Not measured on a GPU yet: no device was lent to the
+sessions that wrote it.
+
+The round-off model of the accumulation: under the interpreter, numpy adds a BK-term product to the
+accumulator once per K step (``threshold.blocked(K, BK)``); on tensor cores, the accumulator takes
+one rounding per MMA of 8 or 16 products, toward zero (``blocked(K, 8, directed=True)``); fp32
+without tf32 is an FMA chain (``recursive(K)``).
 
 tf32: a tf32 MMA fed raw fp32 operands (Triton's tl.dot) drops their 13 low mantissa bits, a
-relative change in (-2^-10, 0] per input, i.e. -2^-11 +- 2^-11: the threshold adds the random part
-(variance (2/3) u_tf^2 per product, u_tf = 2^-11) and the bias, 2 u_tf |predicted sum|. The
-tests emulate both chopping and rounding in the kernel on the CPU (``tf32=``).
+relative change in (-2^-10, 0] per input: the threshold adds the random part (variance (2/3) u_tf^2
+per product, u_tf = 2^-11) and the bias, 2 u_tf |predicted sum|. The tests emulate both chopping
+and rounding in the kernel on the CPU (``tf32=``).
 
 In-kernel fault injection (constexpr INJECT: 1 bit flip, 2 add a value, 3 zero) corrupts one
 accumulator element after a chosen K step; with INJECT = 0 it is compiled out. CHECK = False
@@ -53,33 +54,28 @@ from torch.library import custom_op, triton_op, wrap_triton
 
 from abft.kernels import configs as _configs
 from abft.kernels import layout as L
-from abft.tolerance import LAMBDA, SMALL_K, TF32_UNIT, gamma, rho
+from abft.kernels import stats as S
+from abft.kernels import threshold as T
+from abft.kernels.threshold import pow2_tl, threshold_tl
 
 INJECT_KINDS = {"bitflip": 1, "add": 2, "zero": 3}
-
-
-@triton.jit
-def _low_entropy(base, stride_r, stride_k, r, r_ok, K, SAMPLES: tl.constexpr):
-    """Per row r of a (R, K) operand: does it take at most SAMPLES/4 distinct values at SAMPLES
-    evenly spaced places along K? (``abft.tolerance.low_entropy``, inside the kernel so the check
-    needs no side launches.)"""
-    n = tl.minimum(K, SAMPLES)
-    s = tl.arange(0, SAMPLES)
-    s_ok = s < n
-    at = (s * (K - 1) + (n - 1) // 2) // tl.maximum(n - 1, 1)
-    v = tl.load(base + r[:, None] * stride_r + at[None, :] * stride_k,
-                mask=r_ok[:, None] & s_ok[None, :], other=0.0).to(tl.float32)
-    same = tl.sum(tl.where((v[:, :, None] == v[:, None, :]) & s_ok[None, None, :], 1.0, 0.0), 2)
-    distinct = tl.sum(tl.where(s_ok[None, :], 1.0 / tl.maximum(same, 1.0), 0.0), 1)
-    return (distinct <= tl.maximum(2, n // 4) + 0.5) & r_ok
+# per-row statistics (..., R, ROW_FIELDS) and per-block (..., T, BLOCK_FIELDS), float32
+ROW_E, ROW_R1, ROW_RINF, ROW_LOW = range(4)
+ROW_FIELDS = 4
+BLK_E, BLK_X1, BLK_XINF, BLK_XS1, BLK_XSINF, BLK_NU, BLK_LOW, BLK_FINITE = range(8)
+BLOCK_FIELDS = 8
 
 
 @triton.jit
 def _checked_gemm_kernel(
     # operands, output, addend (bias: strides 0, 0, 1)
     a_ptr, b_ptr, c_ptr, d_ptr,
-    # verdict (B, TM, TN, 9), row ratios (B, M, TN), column ratios (B, TM, N), low-entropy flags
-    v_ptr, rr_ptr, rc_ptr,
+    # verdict (B, TM, TN, 9), row ratios (B, M, TN), column ratios (B, TM, N); with SUMS, the
+    # residual and threshold of every row sum (B, M, TN, 2) and column sum (B, TM, N, 2)
+    v_ptr, rr_ptr, rc_ptr, sr_ptr, sc_ptr,
+    # statistics: rows of A (B, M, 4), blocks of A (B, TM, 8), columns of B (B, N, 4), blocks of B
+    # (B, TN, 8); threshold coefficients (2, len(COEF_FIELDS)): column sums, row sums
+    ar_ptr, ab_ptr, br_ptr, bb_ptr, coef_ptr,
     # sizes
     M, N, K, TM, TN,
     # strides
@@ -87,16 +83,16 @@ def _checked_gemm_kernel(
     stride_bb, stride_bk, stride_bn,
     stride_cb, stride_cm, stride_cn,
     stride_db, stride_dm, stride_dn,
+    stride_arb, stride_abb, stride_brb, stride_bbb,
     # epilogue: out = alpha * acc + beta * addend
     alpha, beta,
-    # threshold constants (ut: tf32 input unit, 0 without tf32)
-    u, ut, lam, rho_k, tiny, g_cap, g_bm, g_bn,
     # fault injection: batch, row, column, K step, bit, value
     inj_b, inj_m, inj_n, inj_k, inj_bit, inj_val,
     # meta-parameters
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     HAS_ADD: tl.constexpr, SCALED: tl.constexpr, CHECK: tl.constexpr, INJECT: tl.constexpr,
     DOT_FP32: tl.constexpr, ALLOW_TF32: tl.constexpr, TF32_EMU: tl.constexpr, CAP: tl.constexpr,
+    SUMS: tl.constexpr, ROUND_OUT: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     pid_b = tl.program_id(1).to(tl.int64)
@@ -110,19 +106,9 @@ def _checked_gemm_kernel(
     a_base = a_ptr + pid_b * stride_ab
     b_base = b_ptr + pid_b * stride_bb
 
-    if CHECK:
-        # constant, few-valued or coarsely quantised rows of A (columns of B): their errors
-        # correlate, so the sums of a tile of them get a worst-case allowance. Found before the
-        # K loop, while few registers are live (a (BM, 16, 16) comparison)
-        alow = _low_entropy(a_base, stride_am, stride_ak, rm, m_ok, K, 16)
-        blow = _low_entropy(b_base, stride_bn, stride_bk, rn, n_ok, K, 16)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     pc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     pr = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    qc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    qr = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    ka = tl.zeros((BLOCK_M,), dtype=tl.float32)       # row keys: sum_k a^2
-    kb = tl.zeros((BLOCK_N,), dtype=tl.float32)       # column keys: sum_k b^2
     tc = tl.zeros((BLOCK_N,), dtype=tl.float32)
     tr = tl.zeros((BLOCK_M,), dtype=tl.float32)
     for ks in range(0, tl.cdiv(K, BLOCK_K)):
@@ -152,18 +138,8 @@ def _checked_gemm_kernel(
         if CHECK:
             af = a.to(tl.float32)
             bf = b.to(tl.float32)
-            sa = tl.sum(af, 0)
-            sb = tl.sum(bf, 1)
-            pc += tl.sum(sa[:, None] * bf, 0)
-            pr += tl.sum(af * sb[None, :], 1)
-            a2 = af * af
-            b2 = bf * bf
-            ca2 = tl.sum(a2, 0)
-            rb2 = tl.sum(b2, 1)
-            qc += tl.sum((ca2 + sa * sa)[:, None] * b2, 0)
-            qr += tl.sum(a2 * (rb2 + sb * sb)[None, :], 1)
-            ka += tl.sum(a2, 1)
-            kb += tl.sum(b2, 0)
+            pc += tl.sum(tl.sum(af, 0)[:, None] * bf, 0)
+            pr += tl.sum(af * tl.sum(bf, 1)[None, :], 1)
             if CAP:
                 tc += tl.sum(tl.sum(tl.abs(af), 0)[:, None] * tl.abs(bf), 0)
                 tr += tl.sum(tl.abs(af) * tl.sum(tl.abs(bf), 1)[None, :], 1)
@@ -178,50 +154,52 @@ def _checked_gemm_kernel(
                 acc = tl.where(hit, 0.0, acc)
 
     if CHECK:
-        kf = K * 1.0
-        colsum = tl.sum(acc, 0)
-        rowsum = tl.sum(acc, 1)
-        # squares of a corrupted accumulator may overflow; clamped, a huge error stays an alarm
+        # statistics of this tile's rows of A and columns of B, and of their blocks
+        ar = ar_ptr + pid_b * stride_arb + rm * 4
+        br = br_ptr + pid_b * stride_brb + rn * 4
+        ab = ab_ptr + pid_b * stride_abb + pid_m * 8
+        bb = bb_ptr + pid_b * stride_bbb + pid_n * 8
+        e_i = tl.load(ar + 0, mask=m_ok, other=0.0)
+        r1_i = tl.load(ar + 1, mask=m_ok, other=1.0)
+        rinf_i = tl.load(ar + 2, mask=m_ok, other=1.0)
+        low_i = tl.load(ar + 3, mask=m_ok, other=0.0) > 0
+        f_j = tl.load(br + 0, mask=n_ok, other=0.0)
+        r1_j = tl.load(br + 1, mask=n_ok, other=1.0)
+        rinf_j = tl.load(br + 2, mask=n_ok, other=1.0)
+        low_j = tl.load(br + 3, mask=n_ok, other=0.0) > 0
+        # scale each side's sums by 2^-(block exponent + row or column exponent), exactly
+        col_scale = pow2_tl(-(tl.load(ab + 0) + f_j))
+        row_scale = pow2_tl(-(e_i + tl.load(bb + 0)))
         big = 3.4028234663852886e38
-        colsq = tl.minimum(tl.sum(acc * acc, 0), big)
-        rowsq = tl.minimum(tl.sum(acc * acc, 1), big)
-        colsum2 = tl.minimum(colsum * colsum, big)
-        rowsum2 = tl.minimum(rowsum * rowsum, big)
-        colabs = tl.sum(tl.abs(acc), 0)
-        rowabs = tl.sum(tl.abs(acc), 1)
-        # repeated rows (columns) within the tile have identical errors
-        ka = tl.where(m_ok, ka, -1.0 - tl.arange(0, BLOCK_M).to(tl.float32))
-        kb = tl.where(n_ok, kb, -1.0 - tl.arange(0, BLOCK_N).to(tl.float32))
-        nu_m = tl.max(tl.sum((ka[:, None] == ka[None, :]).to(tl.float32), 1), 0)
-        nu_n = tl.max(tl.sum((kb[:, None] == kb[None, :]).to(tl.float32), 1), 0)
-        low_m = tl.max(alow.to(tl.int32), 0) > 0
-        low_n = tl.max(blow.to(tl.int32), 0) > 0
-        bmf = BLOCK_M * 1.0
-        bnf = BLOCK_N * 1.0
-        u2 = u * u
-        ut2 = ut * ut
-        # column sums (over the tile's BM rows)
-        # the small units multiply first: a clamped (huge) square must not overflow the sum
-        var_c = nu_m * ((u2 * kf) * (colsq / 9 + qc / 6) + (2.0 / 3.0) * ut2 * qc) \
-            + (u2 * kf) * (pc * pc / 9 + qc / 6) + (u2 * bmf) * (colsum2 / 9 + colsq / 6 + qc / 6)
-        # tf32 chops each input: a bias of up to ut per operand, so 2 ut of the predicted sum
-        thr_c = lam * tl.sqrt(var_c) + (rho_k * 2 * u + 2 * ut) * tl.abs(pc) + tiny
-        thr_c += tl.where(low_m & blow, ((kf / 2) * 2 * u + bmf * u) * colabs, 0.0)
-        # row sums (over the tile's BN columns)
-        var_r = nu_n * ((u2 * kf) * (rowsq / 9 + qr / 6) + (2.0 / 3.0) * ut2 * qr) \
-            + (u2 * kf) * (pr * pr / 9 + qr / 6) + (u2 * bnf) * (rowsum2 / 9 + rowsq / 6 + qr / 6)
-        thr_r = lam * tl.sqrt(var_r) + (rho_k * 2 * u + 2 * ut) * tl.abs(pr) + tiny
-        thr_r += tl.where(low_n & alow, ((kf / 2) * 2 * u + bnf * u) * rowabs, 0.0)
-        if CAP:
-            thr_c = tl.maximum(tl.minimum(thr_c, (g_cap * tc + g_bm * colabs) * (1 - 8 * u)), tiny)
-            thr_r = tl.maximum(tl.minimum(thr_r, (g_cap * tr + g_bn * rowabs) * (1 - 8 * u)), tiny)
-        res_c = colsum - pc
-        res_r = rowsum - pr
-        inputs_ok = (tl.sum(qc, 0) + tl.sum(qr, 0)) < float("inf")
-        acc_ok = tl.sum(tl.abs(colsum), 0) < float("inf")
+        zc = acc * col_scale[None, :]
+        zr = acc * row_scale[:, None]
+        s1_c = tl.sum(zc, 0)
+        s1_r = tl.sum(zr, 1)
+        # squares of a corrupted accumulator may overflow; clamped, a huge error stays an alarm
+        s2_c = tl.minimum(tl.sum(zc * zc, 0), big)
+        s2_r = tl.minimum(tl.sum(zr * zr, 1), big)
+        p_c = pc * col_scale
+        p_r = pr * row_scale
+        thr_c = threshold_tl(coef_ptr, s1_c, s2_c, tl.sum(tl.abs(zc), 0), p_c,
+                             tl.load(ab + 1), tl.load(ab + 2), tl.load(ab + 3), tl.load(ab + 4),
+                             r1_j, rinf_j, tl.load(ab + 5), tl.where(low_j, tl.load(ab + 6), 0.0) > 0,
+                             tl.load(ab + 0), f_j, tc * col_scale, CAP)
+        thr_r = threshold_tl(coef_ptr + 18, s1_r, s2_r, tl.sum(tl.abs(zr), 1), p_r,
+                             tl.load(bb + 1), tl.load(bb + 2), tl.load(bb + 3), tl.load(bb + 4),
+                             r1_i, rinf_i, tl.load(bb + 5), tl.where(low_i, tl.load(bb + 6), 0.0) > 0,
+                             tl.load(bb + 0), e_i, tr * row_scale, CAP)
+        res_c = s1_c - p_c
+        res_r = s1_r - p_r
+        # status: inputs finite (statistics), accumulator finite, thresholds finite; a
+        # non-finite accumulator from finite inputs is an alarm unless the product may overflow
+        inputs_ok = (tl.load(ab + 7) > 0) & (tl.load(bb + 7) > 0)
+        acc_ok = tl.sum(tl.abs(s1_c), 0) < float("inf")
         thr_ok = (tl.sum(thr_c, 0) + tl.sum(thr_r, 0)) < float("inf")
+        norm_a = tl.max(tl.where(m_ok, tl.sqrt(r1_i) * pow2_tl(e_i), 0.0), 0)
+        norm_b = tl.max(tl.where(n_ok, tl.sqrt(r1_j) * pow2_tl(f_j), 0.0), 0)
+        may_overflow = norm_a * norm_b >= big
         status = tl.where(inputs_ok & thr_ok & acc_ok, 0.0, 1.0)
-        status = tl.where(inputs_ok & (acc_ok == 0), 2.0, status)
+        status = tl.where(inputs_ok & (acc_ok == 0) & (may_overflow == 0), 2.0, status)
         unverified = status == 1.0
         rat_c = tl.where(unverified, 0.0, tl.where(n_ok, res_c / thr_c, 0.0))
         rat_r = tl.where(unverified, 0.0, tl.where(m_ok, res_r / thr_r, 0.0))
@@ -237,10 +215,16 @@ def _checked_gemm_kernel(
         rf = tl.sum((mag_r > 1).to(tl.float32), 0)
         col_at = tl.where(cf > 0, (pid_n * BLOCK_N + ci).to(tl.float32), -1.0)
         row_at = tl.where(rf > 0, (pid_m * BLOCK_M + ri).to(tl.float32), -1.0)
+        # residuals and thresholds in C's units: undo the scaling, apply alpha
+        unit_c = pow2_tl(tl.load(ab + 0)) * pow2_tl(f_j) * tl.abs(alpha)
+        unit_r = pow2_tl(e_i) * pow2_tl(tl.load(bb + 0)) * tl.abs(alpha)
+        sgn = tl.where(alpha < 0, -1.0, 1.0)
         sel_c = tl.arange(0, BLOCK_N) == ci
         sel_r = tl.arange(0, BLOCK_M) == ri
-        res_w = tl.where(cf > 0, tl.sum(tl.where(sel_c, res_c, 0.0), 0), tl.sum(tl.where(sel_r, res_r, 0.0), 0))
-        thr_w = tl.where(cf > 0, tl.sum(tl.where(sel_c, thr_c, 0.0), 0), tl.sum(tl.where(sel_r, thr_r, 0.0), 0))
+        res_w = tl.where(cf > 0, tl.sum(tl.where(sel_c, res_c * unit_c, 0.0), 0),
+                         tl.sum(tl.where(sel_r, res_r * unit_r, 0.0), 0)) * sgn
+        thr_w = tl.where(cf > 0, tl.sum(tl.where(sel_c, thr_c * unit_c, 0.0), 0),
+                         tl.sum(tl.where(sel_r, thr_r * unit_r, 0.0), 0))
         f = tl.arange(0, 16)
         rec = tl.where(f == 0, rw, tl.where(f == 1, rf, tl.where(f == 2, row_at, tl.where(
             f == 3, cw, tl.where(f == 4, cf, tl.where(f == 5, col_at, tl.where(
@@ -249,6 +233,13 @@ def _checked_gemm_kernel(
         tl.store(v_ptr + v_off + f, rec, mask=f < 9)
         tl.store(rr_ptr + (pid_b * M + rm) * TN + pid_n, rat_r, mask=m_ok)
         tl.store(rc_ptr + (pid_b * TM + pid_m) * N + rn, rat_c, mask=n_ok)
+        if SUMS:
+            o_r = ((pid_b * M + rm) * TN + pid_n) * 2
+            o_c = ((pid_b * TM + pid_m) * N + rn) * 2
+            tl.store(sr_ptr + o_r, res_r * unit_r * sgn, mask=m_ok)
+            tl.store(sr_ptr + o_r + 1, thr_r * unit_r, mask=m_ok)
+            tl.store(sc_ptr + o_c, res_c * unit_c * sgn, mask=n_ok)
+            tl.store(sc_ptr + o_c + 1, thr_c * unit_c, mask=n_ok)
 
     out = acc
     if SCALED:
@@ -257,6 +248,11 @@ def _checked_gemm_kernel(
         d = tl.load(d_ptr + pid_b * stride_db + rm[:, None] * stride_dm + rn[None, :] * stride_dn,
                     mask=m_ok[:, None] & n_ok[None, :], other=0.0)
         out += beta * d.to(tl.float32)
+    if ROUND_OUT:
+        # the interpreter's fp32 -> bf16 cast truncates; a GPU rounds to nearest even: do that here
+        bits = out.to(tl.int32, bitcast=True)
+        bits += 0x7FFF + ((bits >> 16) & 1)
+        out = (bits & -65536).to(tl.float32, bitcast=True)
     c_base = c_ptr + pid_b * stride_cb
     tl.store(c_base + rm[:, None] * stride_cm + rn[None, :] * stride_cn,
              out.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
@@ -282,31 +278,53 @@ def _autotuned(bm, bn, dtype):
     return _tuned[key]
 
 
+def packed_stats(st):
+    """``stats.OperandStats`` -> (rows (..., R, ROW_FIELDS), blocks (..., T, BLOCK_FIELDS)), float32."""
+    rows = torch.stack([st.e, st.r1, st.rinf, st.low.to(torch.float64)], -1)
+    blocks = torch.stack([st.E, st.x1, st.xinf, st.xs1, st.xsinf, st.nu,
+                          st.block_low().to(torch.float64), st.block_finite().to(torch.float64)], -1)
+    return rows.float(), blocks.float()
+
+
+def accumulation(k, dtype, tf32, bk):
+    """The round-off model of this kernel's accumulation (module docstring)."""
+    if _configs.interpreting():
+        return T.blocked(k, bk)
+    if dtype in (torch.float16, torch.bfloat16) or tf32:
+        return T.blocked(k, 8, directed=True)
+    return T.recursive(k)
+
+
 def _launch_impl(a3: torch.Tensor, b3: torch.Tensor, addend: Optional[torch.Tensor],
+                 ar: torch.Tensor, ab: torch.Tensor, br: torch.Tensor, bb: torch.Tensor,
+                 coef: torch.Tensor,
                  alpha: float, beta: float, bm: int, bn: int, check: bool, tf32: bool,
                  tf32_emulation: int, inject_kind: int, inject_at: List[int], inject_value: float,
-                 block_k: int, num_warps: int, num_stages: int,
-                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+                 block_k: int, num_warps: int, num_stages: int, sums: bool,
+                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                            torch.Tensor]:
     """One launch over a (B, M, K) x (B, K, N) batch; block_k = 0 lets the autotuner choose (on a
     GPU) or takes the factory's one config (under the interpreter)."""
     bt, m, k = a3.shape
     n = b3.shape[2]
     tm, tn = triton.cdiv(m, bm), triton.cdiv(n, bn)
     dev = a3.device
+    f32 = dict(dtype=torch.float32, device=dev)
     c = torch.empty(bt, m, n, dtype=a3.dtype, device=dev)
-    verdict = torch.empty(bt, tm, tn, L.NFIELDS, dtype=torch.float32, device=dev)
-    rr = torch.empty(bt, m, tn, dtype=torch.float32, device=dev)
-    rc = torch.empty(bt, tm, n, dtype=torch.float32, device=dev)
+    verdict = torch.empty(bt, tm, tn, L.NFIELDS, **f32)
+    rr = torch.empty(bt, m, tn, **f32)
+    rc = torch.empty(bt, tm, n, **f32)
+    sr = torch.empty(bt, m, tn, 2, **f32) if sums else torch.empty(0, **f32)
+    sc = torch.empty(bt, tm, n, 2, **f32) if sums else torch.empty(0, **f32)
     if bt * tm * tn == 0:
-        return c, verdict, rr, rc
+        return c, verdict, rr, rc, sr, sc
     # without an addend, a3 stands in for it (never read): no output may alias another argument
     d = addend if addend is not None else a3
-    u = 2.0 ** -24
-    ut = TF32_UNIT if (tf32 or tf32_emulation) else 0.0
     meta = dict(BLOCK_M=bm, BLOCK_N=bn, HAS_ADD=addend is not None, SCALED=alpha != 1.0,
                 CHECK=check, INJECT=inject_kind,
                 DOT_FP32=_configs.interpreting() and a3.dtype == torch.bfloat16,
-                ALLOW_TF32=tf32, TF32_EMU=tf32_emulation, CAP=check and k <= SMALL_K)
+                ALLOW_TF32=tf32, TF32_EMU=tf32_emulation, CAP=check and k <= T.SMALL_K,
+                SUMS=sums, ROUND_OUT=_configs.interpreting() and a3.dtype == torch.bfloat16)
     if block_k:
         kernel = _checked_gemm_kernel
         meta.update(BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
@@ -317,31 +335,35 @@ def _launch_impl(a3: torch.Tensor, b3: torch.Tensor, addend: Optional[torch.Tens
     else:
         kernel = _autotuned(bm, bn, a3.dtype)
     ib, im, jn, ik, ibit = inject_at
+    bstride = lambda t: t.stride(0) if t.shape[0] > 1 else 0
     wrap_triton(kernel)[(tm * tn, bt)](
         a3, b3, c, d,
-        verdict, rr, rc,
+        verdict, rr, rc, sr, sc,
+        ar, ab, br, bb, coef,
         m, n, k, tm, tn,
         a3.stride(0), a3.stride(1), a3.stride(2),
         b3.stride(0), b3.stride(1), b3.stride(2),
         c.stride(0), c.stride(1), c.stride(2),
         d.stride(0), d.stride(1), d.stride(2),
+        bstride(ar), bstride(ab), bstride(br), bstride(bb),
         alpha, beta,
-        u, ut, LAMBDA, rho(max(k, 1)), torch.finfo(torch.float32).tiny,
-        2 * gamma(k, u) + gamma(bm, u), gamma(bm, u), gamma(bn, u),
         ib, im, jn, ik, ibit, inject_value,
         **meta,
     )
-    return c, verdict, rr, rc
+    return c, verdict, rr, rc, sr, sc
 
 
-def _launch_fake(a3, b3, addend, alpha, beta, bm, bn, check, tf32, tf32_emulation, inject_kind,
-                 inject_at, inject_value, block_k, num_warps, num_stages):
+def _launch_fake(a3, b3, addend, ar, ab, br, bb, coef, alpha, beta, bm, bn, check, tf32,
+                 tf32_emulation, inject_kind, inject_at, inject_value, block_k, num_warps,
+                 num_stages, sums):
     bt, m, _ = a3.shape
     n = b3.shape[2]
     tm, tn = -(-m // bm), -(-n // bn)
     f32 = dict(dtype=torch.float32, device=a3.device)
     return (a3.new_empty(bt, m, n), a3.new_empty(bt, tm, tn, L.NFIELDS, **f32),
-            a3.new_empty(bt, m, tn, **f32), a3.new_empty(bt, tm, n, **f32))
+            a3.new_empty(bt, m, tn, **f32), a3.new_empty(bt, tm, n, **f32),
+            a3.new_empty(bt, m, tn, 2, **f32) if sums else a3.new_empty(0, **f32),
+            a3.new_empty(bt, tm, n, 2, **f32) if sums else a3.new_empty(0, **f32))
 
 
 if _configs.interpreting():
@@ -356,7 +378,7 @@ else:
 
 
 def checked_gemm(a, b, bias=None, *, addend=None, alpha=1.0, beta=1.0, tiles=None, check=True,
-                 inject=None, tf32=None, config=None):
+                 inject=None, tf32=None, config=None, b_stats=None, lam=None, return_sums=False):
     """C = alpha * (a @ b) + beta * addend with in-kernel checks of a @ b's fp32 accumulator.
 
     Args:
@@ -371,6 +393,10 @@ def checked_gemm(a, b, bias=None, *, addend=None, alpha=1.0, beta=1.0, tiles=Non
         tf32: None follows torch (``torch.backends.cuda.matmul.allow_tf32`` for fp32 on CUDA);
             "truncate" or "nearest" emulate tf32 inputs in the kernel (tests on the CPU).
         config: a ``triton.Config`` to launch instead of the autotuner's choice.
+        b_stats: ``stats.operand_stats(b.mT, BN)`` kept from an earlier call (a weight), or None.
+        lam: threshold multiplier (None: ``threshold.LAMBDA``).
+        return_sums: also return the residual and threshold of every sum, in C's units:
+            dict(res_row, thr_row (B, M, TN), res_col, thr_col (B, TM, N)).
 
     Returns:
         c: (M, N) or (B, M, N) in a's dtype; verdict (B, TM, TN, 9) float32 in
@@ -389,13 +415,9 @@ def checked_gemm(a, b, bias=None, *, addend=None, alpha=1.0, beta=1.0, tiles=Non
     squeeze = a.dim() == 2 and b.dim() == 2
     a3, b3 = _as3(a), _as3(b)
     bt = max(a3.shape[0], b3.shape[0])
-    if a3.shape[0] != bt:
-        a3 = a3.expand(bt, *a3.shape[1:])
-    if b3.shape[0] != bt:
-        b3 = b3.expand(bt, *b3.shape[1:])
     _, m, k = a3.shape
     n = b3.shape[2]
-    if b3.shape[1] != k:
+    if b3.shape[1] != k or a3.shape[0] not in (1, bt) or b3.shape[0] not in (1, bt):
         raise RuntimeError(f"checked_gemm: shapes {tuple(a.shape)} and {tuple(b.shape)} cannot be multiplied")
     add = bias if bias is not None else addend
     if add is not None and beta == 0:
@@ -409,17 +431,44 @@ def checked_gemm(a, b, bias=None, *, addend=None, alpha=1.0, beta=1.0, tiles=Non
         emu = 0
         tf = (a.dtype == torch.float32 and a.device.type == "cuda"
               and (torch.backends.cuda.matmul.allow_tf32 if tf32 is None else bool(tf32)))
+    if config is not None:
+        bk = config.kwargs["BLOCK_K"]
+    else:
+        bk = min(cf.kwargs["BLOCK_K"] for cf in _configs.configs(bm, bn, a.dtype))
+    if check:
+        # statistics of the unexpanded operands: a broadcast batch is read once
+        ar, ab = packed_stats(S.operand_stats(a3, bm))
+        if b_stats is None:
+            b_stats = S.operand_stats(b3.mT, bn)
+        elif b_stats.bs != bn:
+            raise ValueError(f"checked_gemm: b_stats were made for blocks of {b_stats.bs} columns, not {bn}")
+        br, bb = packed_stats(b_stats)
+        ar, ab, br, bb = (t if t.dim() == 3 else t.unsqueeze(0) for t in (ar, ab, br, bb))
+        u = T.units(a.dtype, check=torch.float32, tf32=bool(tf or emu), stored=False,
+                    flush=a.device.type == "cuda")
+        acc = accumulation(k, a.dtype, tf or emu, bk)
+        chk = T.blocked(k, bk)
+        coef = T.pack(T.coefficients(u, k=k, bs=bm, acc=acc, chk=chk, lam=lam),
+                      T.coefficients(u, k=k, bs=bn, acc=acc, chk=chk, lam=lam), device=a.device)
+    else:
+        ar = ab = br = bb = coef = torch.empty(1, 1, 1, dtype=torch.float32, device=a.device)
+    a3 = a3.expand(bt, m, k)
+    b3 = b3.expand(bt, k, n)
     inj = inject or {}
     where = [int(inj.get("batch", 0)), int(inj.get("row", -1)), int(inj.get("col", -1)),
              int(inj.get("k_step", 0)), int(inj.get("bit", 0))]
     cfg = (config.kwargs["BLOCK_K"], config.num_warps, config.num_stages) if config else (0, 0, 0)
-    c, verdict, rr, rc = _launch(a3, b3, add, float(alpha), float(beta), bm, bn, bool(check), tf,
-                                 emu, INJECT_KINDS[inj["kind"]] if inject else 0, where,
-                                 float(inj.get("value", 0.0)), *cfg)
+    c, verdict, rr, rc, sr, sc = _launch(
+        a3, b3, add, ar, ab, br, bb, coef, float(alpha), float(beta), bm, bn, bool(check), tf, emu,
+        INJECT_KINDS[inj["kind"]] if inject else 0, where, float(inj.get("value", 0.0)), *cfg,
+        bool(return_sums and check))
     if squeeze:
         c = c[0]
     if not check:
         return c, None, None
+    if return_sums:
+        return c, verdict, (rr, rc), dict(res_row=sr[..., 0], thr_row=sr[..., 1],
+                                          res_col=sc[..., 0], thr_col=sc[..., 1])
     return c, verdict, (rr, rc)
 
 
@@ -427,4 +476,4 @@ def tiles_for(m, n, k, dtype):
     return _configs.tile(m, n, k, dtype)
 
 
-__all__ = ["checked_gemm", "tiles_for", "INJECT_KINDS"]
+__all__ = ["checked_gemm", "tiles_for", "INJECT_KINDS", "packed_stats", "accumulation"]

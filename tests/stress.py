@@ -119,7 +119,7 @@ def cases(quick=True):
 def report(bm=64, bn=64, seed=0):
     """Headroom (threshold / observed residual at the sum that came closest) per case."""
     from abft.kernels.reference import check
-    from abft.tolerance import units
+    from abft.kernels.threshold import units
     rows = []
     for dist, m, k, n, dt in cases(quick=False):
         a, b = operands(dist, m, k, n, dt, seed)

@@ -72,13 +72,57 @@ def test_correct_fixes_a_single_element():
     assert al.action == "corrected"
 
 
-def test_correct_recomputes_several_elements():
+def test_correct_recomputes_the_tile_of_several_elements():
+    """A corrupted row fails several column sums: the tiles it crosses are recomputed."""
     a, b = _pair()
     with abft.config(policy="correct"):
         with abft.inject(pattern="row", row=10, kind="add", value=3.0):
             out = abft.matmul(a, b)
-    assert torch.equal(out, a @ b)
-    assert {al.action for al in abft.alarms()} == {"recomputed"}
+    torch.testing.assert_close(out, a @ b, rtol=2e-6, atol=2e-6)
+    assert {al.action for al in abft.alarms()} == {"corrected"}
+
+
+def test_correct_after_exponent_msb_flip_restores_the_element():
+    """bf16 element 0.75 with its exponent MSB flipped (~1e38): subtracting the residual from the
+    corrupted value cancels to 0; recomputing the element's dot product restores it."""
+    torch.manual_seed(0)
+    a, b = torch.randn(64, 64).bfloat16(), torch.randn(64, 64).bfloat16()
+    ref = a @ b
+    with abft.config(policy="correct"):
+        with abft.inject(row=3, col=5, kind="value", value=0.75):
+            with abft.inject(row=3, col=5, kind="bitflip", bit=14):
+                out = abft.matmul(a, b)
+    (al,) = abft.alarms()
+    assert al.action == "corrected" and (al.row, al.col) == (3, 5)
+    exact = (a.double() @ b.double())[3, 5]
+    assert abs(out[3, 5].double() - exact) <= 2.0 ** -8 * abs(exact)
+    mask = torch.ones_like(ref, dtype=torch.bool)
+    mask[3, 5] = False
+    assert torch.equal(out[mask], ref[mask])
+
+
+def test_correct_l_shaped_triple_does_not_touch_a_clean_element():
+    """Errors +e at (3, 5), -e at (3, 9), +e at (7, 9): row 3 and column 9 cancel, so the sums
+    point at row 7 and column 5, a clean element. Subtracting the residual there made four wrong
+    elements that passed the re-check; recomputing the element shows the tile is still wrong."""
+    a, b = _pair()
+    ref = a @ b
+    with abft.config(policy="correct", tiles=(32, 32)):
+        faults = [abft.inject(row=3, col=5, kind="add", value=4.0),
+                  abft.inject(row=3, col=9, kind="add", value=-4.0),
+                  abft.inject(row=7, col=9, kind="add", value=4.0)]
+        for f in faults:
+            f.start()
+        try:
+            out = abft.matmul(a, b)
+        finally:
+            for f in faults:
+                f.stop()
+    torch.testing.assert_close(out, ref, rtol=2e-6, atol=2e-6)
+    assert (out[7, 5] - ref[7, 5]).abs() < 1e-5
+    first = abft.alarms()[0]
+    assert (first.rows, first.cols) == ([7], [5])
+    assert {al.action for al in abft.alarms()} <= {"corrected", "recomputed"}
 
 
 def test_sample_every_checks_one_call_in_n_per_site():

@@ -9,7 +9,7 @@ import torch
 from stress import cases, operands, worst_case_bounds
 from abft.kernels.reference import check
 from abft.kernels import layout as L
-from abft.tolerance import units
+from abft.kernels.threshold import units
 
 CASES = list(cases(quick=True))
 ID = lambda c: f"{c[0]}-M{c[1]}-K{c[2]}-N{c[3]}-{str(c[4]).replace('torch.', '')}"

@@ -10,6 +10,7 @@ triton = pytest.importorskip("triton")
 
 from stress import DISTRIBUTIONS, operands  # noqa: E402
 from abft.kernels import configs, layout as L  # noqa: E402
+from abft.kernels import threshold as T  # noqa: E402
 from abft.kernels import triton_gemm as TG  # noqa: E402
 
 pytestmark = pytest.mark.skipif(not configs.interpreting() and not torch.cuda.is_available(),
@@ -156,7 +157,7 @@ def test_tf32_inputs_are_allowed_for_and_faults_still_caught(mode, monkeypatch):
     c, v, _ = TG.checked_gemm(a, b, tf32=mode)
     fp32 = a.double() @ b.double()
     assert (c.double() - fp32).abs().max() > 100 * (a @ b - fp32).abs().max()     # tf32 really ran
-    monkeypatch.setattr(TG, "TF32_UNIT", 0.0)
+    monkeypatch.setattr(T, "TF32_UNIT", 0.0)
     _, v0, _ = TG.checked_gemm(a, b, tf32=mode)
     assert ((v0[..., L.ROW_RATIO] > 1) | (v0[..., L.COL_RATIO] > 1)).any()
     monkeypatch.undo()

@@ -1,0 +1,73 @@
+"""Weight checksums kept between weight updates, keyed on the parameter they summarise.
+
+The row check of Y = X W^T (+ b) needs statistics of W (``reference.weight_stats``: block sums,
+norms, exponents). For a protected module they are computed once per version of the weight
+parameter and reused until it changes: optimizer steps bump the parameter's version counter. That
+saves a pass over W per call, and makes a change of W at rest (a bit flip written behind
+autograd's back, which leaves the version alone) show as failing row sums.
+
+The key is the source parameter itself (a weak reference, checked for identity), its version, the
+dtype the product sees (autocast computes with a fresh low-precision copy of the weight, version 0,
+at an address the allocator may hand out again: never a key), the device and the block width.
+Writes through ``.data`` do not bump the version: to the cache they look like corruption at rest.
+Call ``forget()`` after changing weights that way on purpose.
+"""
+import threading
+import weakref
+
+import torch
+
+_lock = threading.Lock()
+_sources = {}        # id(param) -> weakref(param)
+_cache = {}          # id(param) -> (weakref(param), version, dtype, device, bn, stats)
+
+
+def key(param):
+    """The cache key of a parameter (registered for ``getter``; under torch.compile the key only,
+    registered by the eager calls and by ``abft.protect``)."""
+    k = id(param)
+    if torch.compiler.is_compiling():
+        return k
+    with _lock:
+        ref = _sources.get(k)
+        if ref is None or ref() is not param:
+            _sources[k] = weakref.ref(param)
+            _cache.pop(k, None)
+    return k
+
+
+def getter(w, k, make):
+    """``get(bn)`` returning the statistics of ``w`` (the parameter ``k`` or a cast copy of it),
+    made by ``make(w, bn)`` when the parameter has changed since they were kept; None when ``w``
+    is not derived from that parameter."""
+    with _lock:
+        ref = _sources.get(k)
+    src = ref() if ref is not None else None
+    if src is None or tuple(w.shape) != tuple(src.shape) or w.device != src.device:
+        return None
+    if w.dtype == src.dtype and w.data_ptr() != src.data_ptr():
+        return None                       # another tensor of the same shape, not this weight
+
+    def get(bn):
+        ver = src._version
+        with _lock:
+            hit = _cache.get(k)
+        if hit is not None and hit[0]() is src and hit[1:5] == (ver, w.dtype, w.device, bn):
+            return hit[5]
+        stats = make(w, bn)
+        with _lock:
+            _cache[k] = (ref, ver, w.dtype, w.device, bn, stats)
+        return stats
+
+    return get
+
+
+def forget():
+    """Drop every kept statistic (after writing weights through ``.data`` on purpose)."""
+    with _lock:
+        _cache.clear()
+
+
+def size():
+    with _lock:
+        return len(_cache)

@@ -1,0 +1,218 @@
+"""Operand statistics the thresholds of both backends are built from.
+
+For the rows of an operand x (..., R, K) (the rows of A, or of B^T: the columns of B) and blocks of
+``bs`` rows, in one chunked pass, in float64:
+
+- per row i: the exponent e_i of max_k |x_ik| (x_i = m 2^e_i with m in [0.5, 1)), and the 1- and
+  inf-norms over k of (x_ik 2^-e_i)^2; whether the row is finite; whether it is low-entropy;
+- per block p: the exponent E_p = max of its rows' e_i, and with x' = x 2^-E_p the 1- and inf-norms
+  over k of sum_i x'_ik^2 and of s_k^2 (s_k = sum_i x'_ik); the largest multiplicity ``nu`` of a
+  row repeated exactly within the block; and, on request, the block sums s (..., T, K) (the
+  reference backend's predictions) and block sums of |x'| (the worst-case cap at small K).
+
+Scaling by exact powers of two keeps every square in range and makes the statistics, and the
+verdicts built from them, the same for x and x 2^j.
+"""
+import math
+import threading
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+_CHUNK = 1 << 19          # elements per chunk on the CPU: 4 MiB of float64, about an L2's worth
+_local = threading.local()
+_EXP_LIMIT = 1000         # |exponents| kept below this, so 2^-e is finite in float64
+
+
+@dataclass
+class OperandStats:
+    """Statistics of the rows of one operand (module docstring). Shapes: (..., R) per row and
+    (..., T) per block, float64 (``low`` and ``finite``: bool)."""
+    bs: int
+    e: torch.Tensor
+    r1: torch.Tensor
+    rinf: torch.Tensor
+    finite: torch.Tensor
+    low: torch.Tensor
+    E: torch.Tensor
+    x1: torch.Tensor
+    xinf: torch.Tensor
+    xs1: torch.Tensor
+    xsinf: torch.Tensor
+    nu: torch.Tensor
+    s: Optional[torch.Tensor] = None
+    absum: Optional[torch.Tensor] = None
+
+    def block_low(self):
+        """(..., T): the block holds a low-entropy row."""
+        return _block_max(self.low.to(self.e.dtype), self.bs) > 0
+
+    def block_finite(self):
+        return _block_max((~self.finite).to(self.e.dtype), self.bs) == 0
+
+
+def low_entropy(x, samples=16):
+    """(..., R, K) -> (..., R) bool: rows that, sampled at ``samples`` fixed places along K, take
+    at most samples/4 distinct values, or repeat one nonzero value at samples/4 places or more
+    (constant, few-valued, coarsely quantised data, or a shared constant at many positions: their
+    rounding errors do not average out). Zeros do not count: adding them is exact."""
+    k = x.shape[-1]
+    if k == 0:
+        return torch.ones(x.shape[:-1], dtype=torch.bool, device=x.device)
+    n = min(k, samples)
+    idx = torch.linspace(0, k - 1, n, device=x.device).round().long()
+    if x.stride(-1) != 1 and x.dim() >= 2:
+        v = x.mT.index_select(-2, idx).mT.contiguous()   # gather whole rows of the stored layout
+    else:
+        v = x.index_select(-1, idx)
+    eq = v.unsqueeze(-1) == v.unsqueeze(-2)
+    same = torch.count_nonzero(eq, dim=-1)
+    distinct = (1.0 / same).sum(-1)
+    repeated = torch.where(v != 0, same, torch.zeros_like(same)).amax(-1)
+    quarter = max(2, n // 4)
+    return (distinct <= quarter + 0.5) | (repeated >= quarter)
+
+
+@torch.library.custom_op("abft::exponents", mutates_args=())
+def exponents(amax: torch.Tensor) -> torch.Tensor:
+    """Exponents e (float64) with amax = m 2^e, m in [0.5, 1); 0 for zero or non-finite values.
+    An opaque op: inductor's CPU code cannot vectorise frexp's int32 exponent into float64."""
+    ok = torch.isfinite(amax) & (amax > 0)
+    _, e = torch.frexp(torch.where(ok, amax, torch.ones_like(amax)))
+    return e.to(torch.float64).clamp(-_EXP_LIMIT, _EXP_LIMIT)
+
+
+@exponents.register_fake
+def _(amax):
+    return torch.empty_like(amax, dtype=torch.float64)
+
+
+def operand_stats(x, bs, *, need_s=False, need_abs=False):
+    """Statistics of the rows of ``x`` (..., R, K) for blocks of ``bs`` rows (``OperandStats``)."""
+    *batch, r, k = x.shape
+    f64 = dict(dtype=torch.float64, device=x.device)
+    t = -(-r // bs)
+    amax = x.abs().amax(-1).to(torch.float64) if k else torch.zeros(*batch, r, **f64)
+    finite = torch.isfinite(amax)
+    e = exponents(amax)
+    # zero rows (and non-finite ones) do not set their block's scale; an all-zero block has E = 0
+    E = _block_max(torch.where(finite & (amax > 0), e, torch.full_like(e, -float("inf"))), bs,
+                   fill=-float("inf"))
+    E = torch.where(torch.isfinite(E), E, torch.zeros_like(E))
+    row_to_block = (e - E.repeat_interleave(bs, -1)[..., :r])      # <= 0: x 2^-E = (x 2^-e) 2^(e - E)
+    r1 = torch.zeros(*batch, r, **f64)
+    rinf = torch.zeros(*batch, r, **f64)
+    alpha = torch.zeros(*batch, t, k, **f64)
+    s = torch.zeros(*batch, t, k, **f64)
+    absum = torch.zeros(*batch, t, k, **f64) if need_abs else None
+    if k and r:
+        if x.stride(-2) == 1 and x.stride(-1) != 1 and r > 1:
+            # column-major (B^T of a row-major B): chunk along K, rows of the chunk transposed
+            step = max(1, _CHUNK // max(1, r * math.prod(batch)))
+            sc = torch.exp2(-e).unsqueeze(-1)
+            fb = torch.exp2(row_to_block).unsqueeze(-1)
+            for k0 in range(0, k, step):
+                xs = x[..., :, k0:k0 + step].to(torch.float64) * sc          # (..., R, kk)
+                sq = _square(xs)
+                r1 += sq.sum(-1)
+                torch.maximum(rinf, _amax(sq, -1), out=rinf)
+                xb = xs * fb
+                s[..., k0:k0 + step] = _sum_blocks(xb, bs, -2)
+                alpha[..., k0:k0 + step] = _sum_blocks(sq * (fb * fb), bs, -2)
+                if need_abs:
+                    absum[..., k0:k0 + step] = _sum_blocks(xb.abs(), bs, -2)
+        else:
+            step = _rows_per_chunk(x, bs, k)
+            for r0 in range(0, r, step):
+                t0, t1 = r0 // bs, r0 // bs + -(-min(step, r - r0) // bs)
+                xs = x[..., r0:r0 + step, :].to(torch.float64) * torch.exp2(-e[..., r0:r0 + step]).unsqueeze(-1)
+                sq = _square(xs)
+                r1[..., r0:r0 + step] = sq.sum(-1)
+                rinf[..., r0:r0 + step] = _amax(sq, -1)
+                fb = torch.exp2(row_to_block[..., r0:r0 + step]).unsqueeze(-1)
+                xb = xs * fb
+                s[..., t0:t1, :] = _sum_blocks(xb, bs, -2)
+                alpha[..., t0:t1, :] = _sum_blocks(sq * (fb * fb), bs, -2)
+                if need_abs:
+                    absum[..., t0:t1, :] = _sum_blocks(xb.abs(), bs, -2)
+    s2 = s * s
+    key_nan = torch.where(finite, r1, torch.full_like(r1, float("nan")))
+    return OperandStats(
+        bs=bs, e=e, r1=r1, rinf=rinf, finite=finite, low=low_entropy(x), E=E,
+        x1=alpha.sum(-1), xinf=_amax(alpha, -1), xs1=s2.sum(-1), xsinf=_amax(s2, -1),
+        nu=_multiplicity(e, key_nan, bs), s=s if need_s else None, absum=absum)
+
+
+def _sum_blocks(x, bs, dim):
+    """Sums of consecutive blocks of ``bs`` along ``dim`` (negative); the last may be shorter."""
+    nf, r = divmod(x.shape[dim], bs)
+    if r == 0:
+        return x.unflatten(dim, (nf, bs)).sum(dim)
+    parts = []
+    if nf:
+        parts.append(x.narrow(dim, 0, nf * bs).unflatten(dim, (nf, bs)).sum(dim))
+    parts.append(x.narrow(dim, nf * bs, r).sum(dim, keepdim=True))
+    return parts[0] if len(parts) == 1 else torch.cat(parts, dim)
+
+
+def _pad_blocks(x, bs, value):
+    """View ``x`` (..., n) as (..., ceil(n/bs), bs), padding with ``value``."""
+    n = x.shape[-1]
+    t = -(-n // bs)
+    if t * bs != n:
+        x = torch.cat([x, x.new_full((*x.shape[:-1], t * bs - n), value)], -1)
+    return x.unflatten(-1, (t, bs))
+
+
+def _block_max(x, bs, fill=0.0):
+    """(..., R) -> (..., T): the maximum of each block (NaN propagates)."""
+    if x.shape[-1] == 0:
+        return x.new_zeros(*x.shape[:-1], 0)
+    return _pad_blocks(x, bs, fill).amax(-1)
+
+
+def _amax(x, dim):
+    if x.shape[dim] == 0:
+        return x.sum(dim)
+    return x.amax(dim)
+
+
+def _multiplicity(e, key, bs):
+    """Largest number of rows with equal (exponent, scaled sum of squares) in each block: equal rows
+    have equal keys; unequal rows with equal keys only make the threshold larger."""
+    kb = _pad_blocks(key, bs, float("nan"))
+    eb = _pad_blocks(e, bs, float("nan"))
+    same = torch.count_nonzero((kb.unsqueeze(-1) == kb.unsqueeze(-2))
+                               & (eb.unsqueeze(-1) == eb.unsqueeze(-2)), dim=-1)
+    return same.amax(-1).clamp_min(1).to(torch.float64)
+
+
+def _square(x):
+    """x * x, into a reusable buffer on the CPU when x is contiguous (eager only)."""
+    if x.device.type != "cpu" or not x.is_contiguous() or torch.compiler.is_compiling():
+        return x * x
+    return torch.mul(x, x, out=_workspace(x.shape, 0, x.device))
+
+
+def _workspace(shape, slot, device):
+    """A reusable float64 buffer on the CPU, where fresh large temporaries cost page faults on every
+    call. Elsewhere the caching allocator already reuses memory, and a kept buffer would pin it."""
+    if device.type != "cpu":
+        return torch.empty(shape, dtype=torch.float64, device=device)
+    n = math.prod(shape)
+    pool = getattr(_local, "pool", None)
+    if pool is None:
+        pool = _local.pool = {}
+    buf = pool.get(slot)
+    if buf is None or buf.numel() < n:
+        buf = pool[slot] = torch.empty(max(n, 1), dtype=torch.float64)
+    return buf[:n].view(shape)
+
+
+def _rows_per_chunk(x, bs, width):
+    """Rows per chunk: whole blocks, about _CHUNK elements (the whole operand off the CPU)."""
+    if x.device.type != "cpu":
+        return max(x.shape[-2], 1)
+    batch = math.prod(x.shape[:-2])
+    return bs * max(1, _CHUNK // max(1, bs * width * batch))

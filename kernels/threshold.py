@@ -1,0 +1,295 @@
+"""The checksum threshold, written once for both backends.
+
+A checked sum adds ``bs`` elements of C = alpha * A.B (+ addend): a column sum over the BM rows of a
+tile, or a row sum over its BN columns (the same with A and B swapped; below, x is the side that is
+summed over and y the other). Its residual r = sum_i C_ij - alpha * sum_k s_k y_kj (s_k = sum_i x_ik)
+collects the round-off of
+
+1. the product: each C_ij is a dot product of length K accumulated in ``steps`` roundings of a
+   running sum, each adding a partial sum of ``inner`` products (recursive summation: steps = K,
+   inner = 1; a blocked K loop: steps = K / BK, inner = BK). With errors of variance u^2/3 per
+   rounding and partial sums that drift linearly to C_ij plus a random walk of variance
+   Q_ij = sum_k x_ik^2 y_kj^2, the variance is u^2 (steps (C^2/9 + Q/6) + inner (inner C^2/(9K) + 5Q/18));
+2. the rounding of C to its stored dtype (bf16, fp16 outputs of the reference backend): variance
+   u_out^2 C^2 / 3, never more than its deterministic bound u_out sum |C|;
+3. tf32 rounding of the inputs: variance (2/3) u_tf^2 Q;
+4. the check's own arithmetic in its unit u_chk (the reference: float64; the kernel: float32): the
+   predicted dot product (the same model, magnitude Qs = sum_k s_k^2 y_kj^2), the sum of the bs
+   values of C, and the sums s_k;
+5. underflow, bounded deterministically: eta_acc per product term (half the smallest fp32 subnormal,
+   or the smallest normal where products are flushed to zero), eta_out per stored element, and
+   subnormal inputs flushed to zero (bf16 on CPUs).
+
+Rows that repeat exactly have identical errors: the product's variance is scaled by the largest
+multiplicity ``nu`` of a row in the block. Rounding errors average out only when the summands'
+low bits vary: sums whose rows and columns take few values (``stats.low_entropy``) get the bias
+allowance ((steps + inner)/2 u + ...) sum |C|; every sum gets 2 sqrt(steps + inner) u |pred|.
+Accumulators that round toward zero (tensor cores) get a directed-rounding allowance.
+
+threshold = LAMBDA sqrt(variance) + allowances. LAMBDA = 6 puts a Gaussian false alarm per sum near
+2e-9; the stress set in tests/test_threshold.py decides whether the model holds.
+
+Magnitudes. Q is not computed (that would be another GEMM per side): it is bounded by Hoelder's
+inequality, sum_k a_k b_k <= min(|a|_1 |b|_inf, |a|_inf |b|_1), from norms that cost O(MK + KN) and
+that both backends compute the same way (``stats.operand_stats``). Every quantity is in units scaled
+by exact powers of two taken from the operands (2^-E per block of x, 2^-F per column of y), so the
+arithmetic can neither underflow nor overflow for finite products and the verdict does not change
+when an operand is scaled by a power of two. In those units the Hoelder bound is at least 1/16 for
+any nonzero block and column, so a threshold never collapses to its floor.
+
+For K <= SMALL_K the threshold is capped by the deterministic worst-case bound built from the exact
+T = sum_i sum_k |x_ik| |y_kj| (cheap at small K).
+
+The host computes the scalar coefficients (``coefficients``); ``threshold`` (torch) and
+``threshold_tl`` (Triton) evaluate the same expression, term for term, on per-sum tensors.
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+
+LAMBDA = 6.0
+SMALL_K = 64
+FLOOR = 2.0 ** -100         # the least threshold, in scaled units (data there is of order 1)
+
+UNIT = {torch.float64: 2.0 ** -53, torch.float32: 2.0 ** -24,
+        torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
+TF32_UNIT = 2.0 ** -11
+# Half the smallest subnormal: the absolute rounding of a result that underflows.
+_ETA = {torch.float64: 2.0 ** -1075, torch.float32: 2.0 ** -150,
+        torch.float16: 2.0 ** -25, torch.bfloat16: 2.0 ** -134}
+
+
+@dataclass(frozen=True)
+class Accumulation:
+    """How one dot product of length K is accumulated: ``steps`` roundings of the running sum,
+    each adding a partial sum of at most ``inner`` products; ``directed``: the accumulator rounds
+    toward zero (tensor cores), so its errors do not average out."""
+    steps: int
+    inner: int = 1
+    directed: bool = False
+
+
+def recursive(k):
+    """One rounding per product: the order every BLAS may use (the reference backend's model)."""
+    return Accumulation(max(int(k), 1), 1)
+
+
+def blocked(k, bk, directed=False):
+    """A K loop of BK-wide partial products added to an accumulator."""
+    k, bk = max(int(k), 1), max(int(bk), 1)
+    return Accumulation(-(-k // bk), min(bk, k), directed)
+
+
+@dataclass(frozen=True)
+class Units:
+    acc: float      # unit round-off of the accumulation
+    out: float      # rounding of the accumulator to the output dtype (0 when they are the same)
+    chk: float      # unit round-off of the check arithmetic
+    tf: float = 0.0         # tf32 input rounding (0 unless tf32 is on)
+    eta_acc: float = 0.0    # absolute underflow per product term
+    eta_out: float = 0.0    # absolute underflow per stored element
+    ftz: float = 0.0        # inputs below this are flushed to zero (0: subnormals honoured)
+
+
+def units(dtype, *, check=torch.float64, tf32=False, stored=True, flush=False):
+    """Round-off units of a product of ``dtype`` operands, accumulated in float32 (float64 for
+    float64), checked in ``check``. ``stored``: the check sees the output rounded to ``dtype``
+    (the reference backend), not the accumulator (the fused kernel). ``flush``: the GEMM flushes
+    subnormal inputs and products to zero (bf16 on CPUs)."""
+    acc = torch.float64 if dtype == torch.float64 else torch.float32
+    if dtype == torch.float64:
+        check = torch.float64
+    return Units(acc=UNIT[acc], out=UNIT[dtype] if stored and dtype != acc else 0.0,
+                 chk=UNIT[check], tf=TF32_UNIT if tf32 else 0.0,
+                 eta_acc=torch.finfo(acc).tiny if flush else _ETA[acc],
+                 eta_out=_ETA[dtype] if stored else 0.0,
+                 ftz=torch.finfo(dtype).tiny if flush else 0.0)
+
+
+def gamma(n, unit):
+    return n * unit / (1 - n * unit)
+
+
+@dataclass(frozen=True)
+class Coefficients:
+    """The scalars of one side's thresholds (see the module docstring for the terms)."""
+    lam: float
+    k: float            # K
+    bs: float           # elements per sum
+    p_s2: float         # product variance per sum_i C^2
+    p_q: float          # product variance per Q (with tf32)
+    p_d2: float         # product variance per sum of addend^2
+    c_p2: float         # check variance per pred^2
+    c_qs: float         # check variance per Qs
+    c_s12: float        # check variance per (sum C)^2
+    c_s2: float         # check variance per sum C^2
+    c_q: float          # check variance per Q (the sums s_k)
+    bias: float         # allowance per |pred|
+    lowent: float       # allowance per sum |C| where the data is low-entropy
+    directed: float     # allowance per (|pred|/2 + sqrt(Q/3)) for directed rounding
+    out: float          # u_out
+    eta_acc: float      # underflow per product term (times bs K)
+    eta_out: float      # underflow per stored element (times bs)
+    ftz: float          # flushed subnormal inputs (smallest normal of the input dtype)
+    w_t: float          # worst case per T
+    w_sa: float         # worst case per sum |C|
+    w_da: float         # worst case per sum |addend|
+    w_scale: float      # the worst case's final factor (a little below the rigorous bound)
+    cap: bool           # K <= SMALL_K: cap by the worst case
+
+
+def coefficients(u, *, k, bs, acc, chk=None, lam=None):
+    """Coefficients of the thresholds of sums of ``bs`` elements of a length-``k`` product.
+
+    Args:
+        u: ``Units``.
+        acc: ``Accumulation`` of the product; chk: of the check's predicted dot product
+            (default: recursive).
+        lam: the multiplier (None: LAMBDA).
+    """
+    k = max(int(k), 0)
+    kk = max(k, 1)
+    chk = chk or recursive(k)
+    ua2, uc2 = u.acc ** 2, u.chk ** 2
+    n, m = acc.steps, acc.inner
+    nc, mc = chk.steps, chk.inner
+    unit_w = 2 * u.acc if acc.directed else u.acc
+    return Coefficients(
+        lam=LAMBDA if lam is None else float(lam), k=float(k), bs=float(bs),
+        p_s2=ua2 * (n / 9 + m * m / (9 * kk)),
+        p_q=ua2 * (n / 6 + 5 * m / 18) + (2.0 / 3.0) * u.tf ** 2,
+        p_d2=ua2 * kk / 3,
+        c_p2=uc2 * (nc / 9 + mc * mc / (9 * kk)),
+        c_qs=uc2 * (nc / 6 + 5 * mc / 18),
+        c_s12=uc2 * bs / 9, c_s2=uc2 * bs / 6, c_q=uc2 * bs / 6,
+        bias=2 * math.sqrt(n + m - 1) * u.acc + 2 * math.sqrt(nc + mc - 1) * u.chk + 2 * u.tf,
+        lowent=(n + m) / 2 * u.acc + (nc + mc) / 2 * u.chk + bs * u.chk,
+        directed=2 * u.acc * n if acc.directed else 0.0,
+        out=u.out, eta_acc=u.eta_acc, eta_out=u.eta_out, ftz=u.ftz,
+        w_t=gamma(n + m - 1, unit_w) + gamma(k, u.chk) + gamma(bs, u.chk) + 2 * u.tf,
+        w_sa=u.out + gamma(bs, u.chk), w_da=u.acc + gamma(bs, u.chk),
+        w_scale=1 - 8 * u.chk, cap=k <= SMALL_K)
+
+
+def holder(x1, xinf, y1, yinf):
+    """Upper bound of sum_k x_k y_k for non-negative x, y from their 1- and inf-norms."""
+    return torch.minimum(x1 * yinf, xinf * y1)
+
+
+def threshold(c, *, s1, s2, sa, pred, x1, xinf, xs1, xsinf, y1, yinf, nu, low, ex, ey,
+              d2=None, t=None, da=None):
+    """Thresholds of checked sums (torch; ``threshold_tl`` is the same arithmetic in Triton).
+
+    Every argument broadcasts to the sums' shape (..., T, S); all are in scaled units (C and the
+    addend times 2^-(ex + ey)).
+
+    Args:
+        c: ``Coefficients``.
+        s1, s2, sa: sum of C, of C^2 and of |C| over each sum's elements.
+        pred: the predicted sum (times alpha).
+        x1, xinf: 1- and inf-norm over k of sum_i x_ik^2 for the summed block (times alpha^2);
+        xs1, xsinf: the same of s_k^2 (times alpha^2); y1, yinf: of y_kj^2 for the other side.
+        nu: largest multiplicity of a repeated row in the block.
+        low: bool, the sum's rows and columns are low-entropy.
+        ex, ey: the block's and the column's scale exponents.
+        d2, da: sums of addend^2 and |addend| (reference addmm/linear bias), or None.
+        t: sum_i sum_k |alpha x_ik| |y_kj| (K <= SMALL_K), or None.
+    """
+    q = holder(x1, xinf, y1, yinf)
+    qs = holder(xs1, xsinf, y1, yinf)
+    prod = c.p_s2 * s2 + c.p_q * q
+    if d2 is not None:
+        prod = prod + c.p_d2 * d2
+    check = c.c_p2 * pred * pred + c.c_qs * qs + c.c_s12 * s1 * s1 + c.c_s2 * s2 + c.c_q * q
+    thr = c.lam * torch.sqrt(nu * prod + check) + c.bias * pred.abs()
+    thr = thr + c.directed * (0.5 * pred.abs() + torch.sqrt(q / 3))
+    thr = thr + torch.where(low, c.lowent * sa, torch.zeros_like(sa))
+    if c.out:
+        thr = thr + torch.minimum(c.lam * torch.sqrt(nu * (c.out * c.out / 3) * s2), c.out * sa)
+    thr = thr + _underflow(c, ex, ey, x1, y1, torch.exp2, torch.sqrt)
+    if c.cap and t is not None:
+        w = c.w_t * t + c.w_sa * sa + c.bs * c.eta_out * torch.exp2(-(ex + ey))
+        if da is not None:
+            w = w + c.w_da * da
+        thr = torch.minimum(thr, w * c.w_scale)
+    return torch.clamp(thr, min=FLOOR)
+
+
+def _underflow(c, ex, ey, x1, y1, exp2, sqrt):
+    """Deterministic underflow allowance in scaled units (the same expression in both backends;
+    the scale exponents are clamped so that 2^-e stays finite)."""
+    e = -(ex + ey)
+    e = e.clamp(-1000.0, 900.0) if isinstance(e, torch.Tensor) else e
+    uf = (c.bs * c.k * c.eta_acc + c.bs * c.eta_out) * exp2(e)
+    if c.ftz:
+        uf = uf + c.ftz * (c.bs * exp2(-ex) * sqrt(c.k * y1) + exp2(-ey) * sqrt(c.bs * c.k * x1))
+    return uf
+
+
+try:
+    import triton
+    import triton.language as tl
+except ImportError:             # the reference backend needs no triton
+    triton = None
+
+COEF_FIELDS = ("lam", "k", "bs", "p_s2", "p_q", "c_p2", "c_qs", "c_s12", "c_s2", "c_q", "bias",
+               "lowent", "directed", "eta_acc", "ftz", "w_t", "w_sa", "w_scale")
+
+
+def pack(*coefs, device=None):
+    """(len(coefs), len(COEF_FIELDS)) float32: the coefficients as ``threshold_tl`` loads them."""
+    return torch.tensor([[float(getattr(c, f)) for f in COEF_FIELDS] for c in coefs],
+                        dtype=torch.float32, device=device)
+
+
+if triton is not None:
+    _FLOOR = tl.constexpr(FLOOR)
+
+    @triton.jit
+    def pow2_tl(e):
+        """2^e, exactly, for float e holding an integer (clamped to the normal float32 range)."""
+        ei = tl.minimum(tl.maximum(e, -126.0), 127.0).to(tl.int32)
+        return ((ei + 127) << 23).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def holder_tl(x1, xinf, y1, yinf):
+        return tl.minimum(x1 * yinf, xinf * y1)
+
+    @triton.jit
+    def threshold_tl(coef_ptr, s1, s2, sa, pred, x1, xinf, xs1, xsinf, y1, yinf, nu, low, ex, ey, t,
+                     CAP: tl.constexpr):
+        """``threshold`` in Triton, term for term, for the fused kernel: no addend (the kernel checks
+        the accumulator before its epilogue) and no output rounding (u_out = 0). ``coef_ptr``: one
+        row of ``pack`` (the order of COEF_FIELDS)."""
+        lam = tl.load(coef_ptr + 0)
+        k = tl.load(coef_ptr + 1)
+        bs = tl.load(coef_ptr + 2)
+        p_s2 = tl.load(coef_ptr + 3)
+        p_q = tl.load(coef_ptr + 4)
+        c_p2 = tl.load(coef_ptr + 5)
+        c_qs = tl.load(coef_ptr + 6)
+        c_s12 = tl.load(coef_ptr + 7)
+        c_s2 = tl.load(coef_ptr + 8)
+        c_q = tl.load(coef_ptr + 9)
+        bias = tl.load(coef_ptr + 10)
+        lowent = tl.load(coef_ptr + 11)
+        directed = tl.load(coef_ptr + 12)
+        eta_acc = tl.load(coef_ptr + 13)
+        ftz = tl.load(coef_ptr + 14)
+        w_t = tl.load(coef_ptr + 15)
+        w_sa = tl.load(coef_ptr + 16)
+        w_scale = tl.load(coef_ptr + 17)
+        q = holder_tl(x1, xinf, y1, yinf)
+        qs = holder_tl(xs1, xsinf, y1, yinf)
+        prod = p_s2 * s2 + p_q * q
+        check = c_p2 * pred * pred + c_qs * qs + c_s12 * s1 * s1 + c_s2 * s2 + c_q * q
+        thr = lam * tl.sqrt(nu * prod + check) + bias * tl.abs(pred)
+        thr = thr + directed * (0.5 * tl.abs(pred) + tl.sqrt(q / 3))
+        thr = thr + tl.where(low, lowent * sa, 0.0)
+        uf = (bs * k * eta_acc) * pow2_tl(-(ex + ey))
+        uf += ftz * (bs * pow2_tl(-ex) * tl.sqrt(k * y1) + pow2_tl(-ey) * tl.sqrt(bs * k * x1))
+        thr = thr + uf
+        if CAP:
+            thr = tl.minimum(thr, (w_t * t + w_sa * sa) * w_scale)
+        return tl.maximum(thr, _FLOOR)
