@@ -35,8 +35,27 @@ def alarms():
 
 
 def stats():
-    """Counters: checked_calls, tiles, unverified_calls, unverified_tiles, sampled_out_calls, alarms."""
+    """Counters: checked_calls, tiles, unverified_calls, unverified_tiles, sampled_out_calls,
+    alarms; and ``margins`` (see ``margin()``)."""
     return _policy.stats()
+
+
+def margin(file=None):
+    """How close clean checks came to alarming: per op and module, the largest residual /
+    threshold of a clean call (1 would alarm), its phase and the clean calls counted, from the
+    closest down. Prints the table (to ``file``, default stdout) and returns the rows.
+
+    A ratio creeping toward 1 on clean data is a false alarm coming: report it, with the shapes
+    and dtype, before it happens."""
+    import sys
+    _policy.flush()
+    rows = _policy.margins()
+    out = file or sys.stdout
+    print(f"{'worst':>8}  {'phase':<12} {'calls':>6}  op / module", file=out)
+    for r in rows:
+        print(f"{r['worst']:8.4f}  {str(r['phase']):<12} {r['calls']:6d}  {r['op']} / {r['module'] or '<top>'}",
+              file=out)
+    return rows
 
 
 def coverage():
@@ -55,5 +74,5 @@ def reset():
 
 
 __all__ = ["StepGuard", "GuardHalt", "matmul", "mm", "bmm", "addmm", "baddbmm", "linear", "scope", "config", "inject",
-           "flush", "alarms", "stats", "coverage", "reset", "protect", "unprotect", "checked", "nn", "Alarm", "AlarmLog", "SilentCorruptionError",
+           "flush", "alarms", "stats", "margin", "coverage", "reset", "protect", "unprotect", "checked", "nn", "Alarm", "AlarmLog", "SilentCorruptionError",
            "__version__"]

@@ -180,7 +180,8 @@ def matmul_grads(a, b, grad, flags, needs, m, op="matmul"):
     if k == "fold":
         t1f, t2, shape = decompose.fold_operands(plan, a, b)
         if t2.dim() == 2:       # the output was transposed back only when t2 is a matrix
-            go = (grad.mT if plan.transpose else grad).reshape(t1f.shape[0], -1)
+            g_ = grad.mT if plan.transpose else grad
+            go = g_.reshape(t1f.shape[0], g_.shape[-1])
         else:
             go = grad.reshape(-1)
         # the operand names: t1 is b^T when transposed, else a

@@ -25,7 +25,7 @@ from abft.kernels import layout as L
 class Pending:
     verdict: torch.Tensor
     detail: tuple
-    summary: torch.Tensor     # [alarmed tiles, unverified tiles, tiles] on the device
+    summary: torch.Tensor     # [alarmed tiles, unverified tiles, tiles, worst ratio] on the device
     info: dict
     log: object
     nbytes: int
@@ -35,6 +35,7 @@ _lock = threading.RLock()
 _queue = collections.deque()
 _queue_bytes = 0
 _stats = collections.Counter()
+_margins = {}                 # (op, module) -> [worst clean ratio, its phase, clean calls]
 
 
 def summarize(verdict):
@@ -43,7 +44,9 @@ def summarize(verdict):
     unverified = verdict[..., L.STATUS] == L.UNVERIFIED
     # a fill, not a host-to-device copy: capturable in a CUDA graph
     tiles = torch.full((), float(verdict[..., 0].numel()), device=verdict.device)
-    return torch.stack([alarmed.sum().float(), unverified.sum().float(), tiles])
+    worst = torch.maximum(verdict[..., L.ROW_RATIO], verdict[..., L.COL_RATIO])
+    worst = worst.amax() if worst.numel() else tiles * 0
+    return torch.stack([alarmed.sum().float(), unverified.sum().float(), tiles, worst.float()])
 
 
 def make_pending(verdict, detail, info, log):
@@ -52,13 +55,20 @@ def make_pending(verdict, detail, info, log):
 
 
 def _count(summary, info):
-    alarmed, unverified, tiles = (float(x) for x in summary)
+    alarmed, unverified, tiles, worst = (float(x) for x in summary)
     _stats["checked_calls"] += 1
     _stats["tiles"] += int(tiles)
     if unverified:
         _stats["unverified_calls"] += 1
         _stats["unverified_tiles"] += int(unverified)
         coverage.count(info["op"], info["labels"].get("module"), "unverified")
+    if not alarmed:
+        key = (info["op"], info["labels"].get("module"))
+        with _lock:
+            m = _margins.setdefault(key, [0.0, None, 0])
+            if worst >= m[0]:
+                m[0], m[1] = worst, info["phase"]
+            m[2] += 1
     return alarmed > 0
 
 
@@ -165,7 +175,18 @@ def pending():
 
 def stats():
     flush()
-    return dict(_stats)
+    out = dict(_stats)
+    out["margins"] = margins()
+    return out
+
+
+def margins():
+    """Per op and module, the largest residual / threshold of a clean (unalarmed) call, the
+    phase it was seen in and how many clean calls: rows sorted from the closest to alarming."""
+    with _lock:
+        rows = [dict(op=op, module=module, worst=w, phase=phase, calls=n)
+                for (op, module), (w, phase, n) in _margins.items()]
+    return sorted(rows, key=lambda r: -r["worst"])
 
 
 def count(key, n=1):
@@ -174,6 +195,8 @@ def count(key, n=1):
 
 def reset_stats():
     _stats.clear()
+    with _lock:
+        _margins.clear()
 
 
 def now():

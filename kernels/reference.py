@@ -60,23 +60,28 @@ def _pred_row(a, e, sb):
     return out
 
 
-def _sums(z, bs, dim):
-    """Block sums along ``dim`` of z's finite values, their squares and magnitudes, and the count of
-    non-finite values."""
+def _sums(z, bs, dim, sub=None):
+    """Block sums along ``dim`` of z's finite values, their squares and magnitudes, the count of
+    non-finite values and (given ``sub``, a bool mask) the count of ``sub``."""
     ok = torch.isfinite(z)
     zf = torch.where(ok, z, torch.zeros((), dtype=z.dtype, device=z.device))
     big = torch.finfo(z.dtype).max
-    return (_sum_blocks(zf, bs, dim), _sum_blocks(zf * zf, bs, dim).clamp(max=big),
-            _sum_blocks(zf.abs(), bs, dim), _sum_blocks((~ok).to(z.dtype), bs, dim))
+    out = [_sum_blocks(zf, bs, dim), _sum_blocks(zf * zf, bs, dim).clamp(max=big),
+           _sum_blocks(zf.abs(), bs, dim), _sum_blocks((~ok).to(z.dtype), bs, dim)]
+    if sub is not None:
+        out.append(_sum_blocks(sub.to(z.dtype), bs, dim))
+    return out
 
 
 def _output_sums(c, addend, ast, bst, bm, bn):
     """One pass over C (and the addend) in row chunks, scaled per side: for column sums
     (..., TM, N), C 2^-(E_p + f_j); for row sums (..., M, TN), C 2^-(e_i + F_q). Returns per side
-    the sums of C, C^2, |C| and the non-finite count, then (with an addend) the same of the addend."""
+    the sums of C, C^2, |C|, the non-finite count and the count of elements below the normal range,
+    then (with an addend) the sums, non-finite count of the addend."""
     *batch, m, n = c.shape
     tm, tn = -(-m // bm), -(-n // bn)
-    nz = 8 if addend is not None else 4
+    nz = 9 if addend is not None else 5
+    tiny = torch.finfo(c.dtype).tiny
     col = [torch.zeros(*batch, tm, n, dtype=F64, device=c.device) for _ in range(nz)]
     row = [torch.zeros(*batch, m, tn, dtype=F64, device=c.device) for _ in range(nz)]
     E_rows = ast.E.repeat_interleave(bm, -1)[..., :m]
@@ -90,7 +95,8 @@ def _output_sums(c, addend, ast, bst, bm, bn):
         t0, t1 = r0 // bm, r0 // bm + -(-rows // bm)
         zc = cr * torch.exp2(-E_rows[..., r0:r0 + step]).unsqueeze(-1) * col_scale_n
         zr = cr * torch.exp2(-ast.e[..., r0:r0 + step]).unsqueeze(-1) * row_scale_n
-        parts_c, parts_r = list(_sums(zc, bm, -2)), list(_sums(zr, bn, -1))
+        sub = cr.abs() < tiny
+        parts_c, parts_r = _sums(zc, bm, -2, sub), _sums(zr, bn, -1, sub)
         if addend is not None:
             d = addend[..., r0:r0 + step, :] if addend.shape[-2] != 1 else addend
             d = d.to(F64).expand(*cr.shape)
@@ -108,8 +114,8 @@ def _output_sums(c, addend, ast, bst, bm, bn):
 def _side(coef, sums, pred, xst, yst, alpha, t):
     """Residuals and thresholds (..., T, S) of one side's sums: x is the summed operand (blocks
     along T), y the other (rows along S)."""
-    s1, s2, sa, nf = sums[:4]
-    d1, d2, da = sums[4:7] if len(sums) > 4 else (None, None, None)
+    s1, s2, sa, nf, nsub = sums[:5]
+    d1, d2, da = sums[5:8] if len(sums) > 5 else (None, None, None)
     a2 = alpha * alpha
     res = s1 - alpha * pred - (d1 if d1 is not None else 0.0)
     col = lambda v: v.unsqueeze(-1)
@@ -120,11 +126,11 @@ def _side(coef, sums, pred, xst, yst, alpha, t):
                       xs1=col(xst.xs1) * a2, xsinf=col(xst.xsinf) * a2,
                       y1=row(yst.r1), yinf=row(yst.rinf), nu=col(xst.nu), low=low,
                       ex=col(xst.E), ey=row(yst.e), d2=d2, da=da,
-                      t=None if t is None else t * abs(alpha))
+                      t=None if t is None else t * abs(alpha), nsub=nsub)
     return res, thr, nf
 
 
-def check(a, b, c, *, bm, bn, units, acc=None, alpha=1.0, addend=None, beta=1.0, lam=None,
+def check(a, b, c, *, bm, bn, units, acc=None, chk=None, alpha=1.0, addend=None, beta=1.0, lam=None,
           return_sums=False, b_stats=None):
     """Verify ``c == alpha * a @ b + addend`` tile by tile.
 
@@ -134,7 +140,8 @@ def check(a, b, c, *, bm, bn, units, acc=None, alpha=1.0, addend=None, beta=1.0,
         c: (..., M, N) the product as computed (batch dims: the broadcast of a's and b's).
         bm, bn: tile rows and columns.
         units: ``threshold.Units`` of the product.
-        acc: ``threshold.Accumulation`` of the product (default: recursive).
+        acc: ``threshold.Accumulation`` of the product (default: recursive); chk: of the check's
+            predicted sums (default: recursive).
         alpha: the product's scale (addmm, baddbmm).
         addend: tensor broadcastable to ``c``, or None; beta: its scale.
         lam: threshold multiplier (None: ``threshold.LAMBDA``).
@@ -177,8 +184,9 @@ def check(a, b, c, *, bm, bn, units, acc=None, alpha=1.0, addend=None, beta=1.0,
         if k <= T.SMALL_K:
             t_col = _pred_col(ast.absum, b.abs(), bst.e)
             t_row = _pred_row(a.abs(), ast.e, bst.absum)
-        coef_c = T.coefficients(units, k=k, bs=bm, acc=acc, lam=lam)
-        coef_r = T.coefficients(units, k=k, bs=bn, acc=acc, lam=lam)
+        scaled = addend is not None and float(beta) != 1.0
+        coef_c = T.coefficients(units, k=k, bs=bm, acc=acc, chk=chk, lam=lam, scaled_addend=scaled)
+        coef_r = T.coefficients(units, k=k, bs=bn, acc=acc, chk=chk, lam=lam, scaled_addend=scaled)
         res_c, thr_c, nf_c = _side(coef_c, cs, pred_col, ast, bst, alpha, t_col)
         res_r, thr_r, nf_r = _side(coef_r, [z.mT for z in rs], pred_row.mT, bst, ast, alpha,
                                    None if t_row is None else t_row.mT)
@@ -192,7 +200,7 @@ def check(a, b, c, *, bm, bn, units, acc=None, alpha=1.0, addend=None, beta=1.0,
         col_view = lambda z, v: _pad_blocks(z, bn, v)                            # (..., TM, TN, BN)
         row_view = lambda z, v: _pad_blocks(z.mT, bm, v).transpose(-3, -2)       # (..., TM, TN, BM)
         if addend is not None:
-            inputs_ok = inputs_ok & _tile_all(col_view(cs[7] == 0, True))
+            inputs_ok = inputs_ok & _tile_all(col_view(cs[8] == 0, True))
         c_bad = _tile_any(col_view(nf_c > 0, False)) | _tile_any(row_view(nf_r > 0, False))
         thr_bad = ~(_tile_all(col_view(torch.isfinite(thr_c), True))
                     & _tile_all(row_view(torch.isfinite(thr_r), True)))

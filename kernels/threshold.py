@@ -10,8 +10,9 @@ collects the round-off of
    inner = 1; a blocked K loop: steps = K / BK, inner = BK). With errors of variance u^2/3 per
    rounding and partial sums that drift linearly to C_ij plus a random walk of variance
    Q_ij = sum_k x_ik^2 y_kj^2, the variance is u^2 (steps (C^2/9 + Q/6) + inner (inner C^2/(9K) + 5Q/18));
-2. the rounding of C to its stored dtype (bf16, fp16 outputs of the reference backend): variance
-   u_out^2 C^2 / 3, never more than its deterministic bound u_out sum |C|;
+2. the rounding of C to its stored dtype (bf16, fp16 outputs of the reference backend): its
+   deterministic bound u_out sum |C|. Not a random model: elements of nearly equal value (rows
+   that nearly repeat, a shared large component) round the same way, and their errors add up;
 3. tf32 rounding of the inputs: variance (2/3) u_tf^2 Q;
 4. the check's own arithmetic in its unit u_chk (the reference: float64; the kernel: float32): the
    predicted dot product (the same model, magnitude Qs = sum_k s_k^2 y_kj^2), the sum of the bs
@@ -129,6 +130,7 @@ class Coefficients:
     lowent: float       # allowance per sum |C| where the data is low-entropy
     directed: float     # allowance per (|pred|/2 + sqrt(Q/3)) for directed rounding
     out: float          # u_out
+    out_add: float      # allowance per sum |addend| when beta * addend is rounded on its own
     eta_acc: float      # underflow per product term (times bs K)
     eta_out: float      # underflow per stored element (times bs)
     ftz: float          # flushed subnormal inputs (smallest normal of the input dtype)
@@ -139,7 +141,7 @@ class Coefficients:
     cap: bool           # K <= SMALL_K: cap by the worst case
 
 
-def coefficients(u, *, k, bs, acc, chk=None, lam=None):
+def coefficients(u, *, k, bs, acc, chk=None, lam=None, scaled_addend=False):
     """Coefficients of the thresholds of sums of ``bs`` elements of a length-``k`` product.
 
     Args:
@@ -147,6 +149,8 @@ def coefficients(u, *, k, bs, acc, chk=None, lam=None):
         acc: ``Accumulation`` of the product; chk: of the check's predicted dot product
             (default: recursive).
         lam: the multiplier (None: LAMBDA).
+        scaled_addend: beta * addend is formed in the output dtype (torch's half-precision addmm
+            rounds beta to the dtype and the product once more: two roundings with one sign).
     """
     k = max(int(k), 0)
     kk = max(k, 1)
@@ -166,7 +170,7 @@ def coefficients(u, *, k, bs, acc, chk=None, lam=None):
         bias=2 * math.sqrt(n + m - 1) * u.acc + 2 * math.sqrt(nc + mc - 1) * u.chk + 2 * u.tf,
         lowent=(n + m) / 2 * u.acc + (nc + mc) / 2 * u.chk + bs * u.chk,
         directed=2 * u.acc * n if acc.directed else 0.0,
-        out=u.out, eta_acc=u.eta_acc, eta_out=u.eta_out, ftz=u.ftz,
+        out=u.out, out_add=2 * u.out if scaled_addend else 0.0, eta_acc=u.eta_acc, eta_out=u.eta_out, ftz=u.ftz,
         w_t=gamma(n + m - 1, unit_w) + gamma(k, u.chk) + gamma(bs, u.chk) + 2 * u.tf,
         w_sa=u.out + gamma(bs, u.chk), w_da=u.acc + gamma(bs, u.chk),
         w_scale=1 - 8 * u.chk, cap=k <= SMALL_K)
@@ -178,7 +182,7 @@ def holder(x1, xinf, y1, yinf):
 
 
 def threshold(c, *, s1, s2, sa, pred, x1, xinf, xs1, xsinf, y1, yinf, nu, low, ex, ey,
-              d2=None, t=None, da=None):
+              d2=None, t=None, da=None, nsub=None):
     """Thresholds of checked sums (torch; ``threshold_tl`` is the same arithmetic in Triton).
 
     Every argument broadcasts to the sums' shape (..., T, S); all are in scaled units (C and the
@@ -195,6 +199,8 @@ def threshold(c, *, s1, s2, sa, pred, x1, xinf, xs1, xsinf, y1, yinf, nu, low, e
         ex, ey: the block's and the column's scale exponents.
         d2, da: sums of addend^2 and |addend| (reference addmm/linear bias), or None.
         t: sum_i sum_k |alpha x_ik| |y_kj| (K <= SMALL_K), or None.
+        nsub: how many of the sum's stored elements are below the output dtype's normal range
+            (their rounding is absolute); None: all bs of them.
     """
     q = holder(x1, xinf, y1, yinf)
     qs = holder(xs1, xsinf, y1, yinf)
@@ -205,23 +211,26 @@ def threshold(c, *, s1, s2, sa, pred, x1, xinf, xs1, xsinf, y1, yinf, nu, low, e
     thr = c.lam * torch.sqrt(nu * prod + check) + c.bias * pred.abs()
     thr = thr + c.directed * (0.5 * pred.abs() + torch.sqrt(q / 3))
     thr = thr + torch.where(low, c.lowent * sa, torch.zeros_like(sa))
-    if c.out:
-        thr = thr + torch.minimum(c.lam * torch.sqrt(nu * (c.out * c.out / 3) * s2), c.out * sa)
-    thr = thr + _underflow(c, ex, ey, x1, y1, torch.exp2, torch.sqrt)
+    thr = thr + c.out * sa
+    if c.out_add and da is not None:
+        thr = thr + c.out_add * da
+    nout = c.bs if nsub is None else nsub
+    thr = thr + _underflow(c, ex, ey, x1, y1, nout, torch.exp2, torch.sqrt)
     if c.cap and t is not None:
-        w = c.w_t * t + c.w_sa * sa + c.bs * c.eta_out * torch.exp2(-(ex + ey))
+        w = c.w_t * t + c.w_sa * sa + nout * c.eta_out * torch.exp2(-(ex + ey))
         if da is not None:
-            w = w + c.w_da * da
+            w = w + (c.w_da + c.out_add) * da
         thr = torch.minimum(thr, w * c.w_scale)
     return torch.clamp(thr, min=FLOOR)
 
 
-def _underflow(c, ex, ey, x1, y1, exp2, sqrt):
-    """Deterministic underflow allowance in scaled units (the same expression in both backends;
-    the scale exponents are clamped so that 2^-e stays finite)."""
+def _underflow(c, ex, ey, x1, y1, nout, exp2, sqrt):
+    """Deterministic underflow allowance in scaled units: eta_acc per product term, eta_out per
+    stored element below the normal range, flushed inputs (the scale exponents are clamped so that
+    2^-e stays finite)."""
     e = -(ex + ey)
     e = e.clamp(-1000.0, 900.0) if isinstance(e, torch.Tensor) else e
-    uf = (c.bs * c.k * c.eta_acc + c.bs * c.eta_out) * exp2(e)
+    uf = (c.bs * c.k * c.eta_acc + nout * c.eta_out) * exp2(e)
     if c.ftz:
         uf = uf + c.ftz * (c.bs * exp2(-ex) * sqrt(c.k * y1) + exp2(-ey) * sqrt(c.bs * c.k * x1))
     return uf

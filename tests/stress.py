@@ -10,7 +10,8 @@ import sys
 import torch
 
 DISTRIBUTIONS = ("gaussian", "uniform", "student_t2", "all_positive", "llm_outliers",
-                 "rows_scaled", "cancellation", "constant", "few_values", "duplicate_rows")
+                 "rows_scaled", "cancellation", "constant", "few_values", "duplicate_rows",
+                 "near_duplicate_rows", "massive_activations")
 DTYPES = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
 UNIT = {torch.float64: 2.0 ** -53, torch.float32: 2.0 ** -24, torch.float16: 2.0 ** -11,
         torch.bfloat16: 2.0 ** -8}
@@ -54,6 +55,16 @@ def operands(dist, m, k, n, dtype, seed):
         base = r(max(1, m // 8), k)
         a = base[torch.randint(0, base.shape[0], (m,), generator=g)]
         b = r(k, n)
+    elif dist == "near_duplicate_rows":
+        # rows that repeat up to 1e-5: their products round alike, so their errors add up
+        a = r(1, k) + 1e-5 * r(m, k)
+        b = r(k, n)
+    elif dist == "massive_activations":
+        # a few channels carry one large value shared by every row (LLM "massive activations")
+        a = r(m, k)
+        hot = torch.randperm(k, generator=g)[:max(1, k // 256)]
+        a[:, hot] = 100.0 * r(1, hot.numel())
+        b = r(k, n) / math.sqrt(k)
     else:
         raise ValueError(dist)
     if dtype in (torch.float16, torch.bfloat16):
@@ -74,12 +85,13 @@ def _blocks(x, bs, dim):
 def worst_case_bounds(a, b, c, bm, bn):
     """Deterministic worst-case bound of every checked sum's round-off, in float64:
     column sums (TM, N) and row sums (M, TN). The product: gamma_K sum |a||b| plus the rounding of
-    C to its dtype (u_out |c|, or half the smallest subnormal below the normal range); the check (in float32, float64 for float64): gamma_bs for the sum of C and for
-    the sums of A (or B), gamma_K for the predicted product, plus underflow."""
+    C to its dtype (u_out |c|, or half the smallest subnormal below the normal range); the check (in
+    float64): gamma_bs for the sum of C and for the sums of A (or B), gamma_K for the predicted
+    product, plus underflow."""
     dt = c.dtype
     u_acc = UNIT[torch.float64] if dt == torch.float64 else UNIT[torch.float32]
     u_out = 0.0 if dt in (torch.float32, torch.float64) else UNIT[dt]
-    u_chk = u_acc
+    u_chk = UNIT[torch.float64]
     eta = torch.finfo(torch.float64 if dt == torch.float64 else torch.float32).tiny
     # Rounding to a half type below its normal range is absolute: half its smallest subnormal.
     eta_out = {torch.float16: 2.0 ** -25, torch.bfloat16: 2.0 ** -134}.get(dt, 0.0)

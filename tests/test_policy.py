@@ -211,3 +211,29 @@ def test_alarm_text_says_where():
     text = str(al)
     for part in ("lm_head", "step 3", "row 1, col 2", "matmul/forward"):
         assert part in text
+
+
+def test_margins_keep_the_worst_clean_ratio_per_op_and_module(capsys):
+    """stats()['margins'] and abft.margin(): per op and module, the largest residual / threshold of
+    a clean call; an alarmed call does not count (its ratio is the fault's, not round-off's)."""
+    a, b = _pair()
+    keys = set(abft.stats())
+    with abft.scope(module="fc"):
+        abft.matmul(a, b)
+        abft.matmul(a * 3, b)
+    with abft.scope(module="proj"):
+        abft.mm(a, b)
+        with abft.inject(row=1, col=2, kind="add", value=9.0):
+            abft.mm(a, b)
+    assert len(abft.flush()) == 1
+    s = abft.stats()
+    assert keys <= set(s) and s["checked_calls"] == 4
+    rows = {(r["op"], r["module"]): r for r in s["margins"]}
+    assert set(rows) == {("matmul", "fc"), ("mm", "proj")}
+    assert rows[("matmul", "fc")]["calls"] == 2 and rows[("mm", "proj")]["calls"] == 1
+    assert all(0 < r["worst"] <= 1 and r["phase"] == "forward" for r in rows.values())
+    printed = abft.margin()
+    out = capsys.readouterr().out
+    assert printed == s["margins"] and "matmul / fc" in out and "mm / proj" in out
+    abft.reset()
+    assert abft.stats()["margins"] == []

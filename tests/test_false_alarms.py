@@ -1,0 +1,191 @@
+"""Regression tests, one per case an independent test of ordinary training found (issue "Zero false
+alarms in real training"): each failed on the code before its fix."""
+import pytest
+import torch
+
+import abft
+from abft.kernels import layout as L
+
+BACKENDS = ["reference", "triton"]
+
+
+def _verdicts(fn, backend="reference", **config):
+    """Run fn() under abft.config(backend=..., **config); return (alarms, stats)."""
+    abft.reset()
+    with abft.config(backend=backend, **config):
+        out = fn()
+        alarms = abft.flush()
+    return out, alarms, abft.stats()
+
+
+def test_autocast_weight_checksums_follow_the_parameter():
+    """bf16 autocast hands the checked product a fresh copy of the weight each step, at an address
+    the allocator reuses: checksums keyed on it were last step's. 13 of 20 steps alarmed."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 48)
+    abft.protect(torch.nn.Sequential(lin))
+    opt = torch.optim.Adam(lin.parameters(), lr=1e-2)
+    for step in range(20):
+        x = torch.randn(32, 64)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = lin(x)
+        loss = y.float().square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        assert abft.flush() == [], f"step {step}"
+    # the cache served the forwards (one entry, kept per version of the parameter)
+    assert abft.stats()["checked_calls"] == 20 * 2          # forward and grad_weight
+
+
+def test_autocast_weight_flip_at_rest_is_still_caught():
+    """The cache now keys on the parameter: a bit flipped in it behind autograd's back (no version
+    bump) shows in the next forward's row sums, under autocast too."""
+    torch.manual_seed(0)
+    lin = torch.nn.Linear(64, 48)
+    abft.protect(torch.nn.Sequential(lin))
+    x = torch.randn(32, 64)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        lin(x)
+        assert abft.flush() == []
+        with torch.no_grad():
+            lin.weight.data.view(torch.int32)[5, 7] ^= 1 << 30
+        lin(x)
+    alarms = abft.flush()
+    assert alarms and all(a.cols == [] and a.rows for a in alarms)
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("exp", [-64, -100, 40, 60, 100])
+def test_tiny_and_huge_magnitudes_are_verified_without_alarm(exp, dtype, backend):
+    """Scaling B by an exact power of two scales everything the check uses: before, |C| below about
+    4e-18 (fp32) alarmed and |C| above about 1e18 was left unverified."""
+    torch.manual_seed(0)
+    a, b = torch.randn(48, 80), torch.randn(80, 40)
+    bs = (b * 2.0 ** exp).to(dtype)
+    _, alarms, st = _verdicts(lambda: abft.ops.mm(a.to(dtype), bs), backend)
+    assert alarms == [] and st.get("unverified_calls", 0) == 0 and st["checked_calls"] == 1
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_attention_gradient_magnitudes_do_not_alarm(backend):
+    """dK, dV of real attention gradients were 1e-22..1e-26: every product of them alarmed."""
+    torch.manual_seed(0)
+    for scale in (1e-21, 1e-23, 1e-25):
+        p, do = torch.softmax(torch.randn(2, 24, 24), -1), torch.randn(2, 24, 32) * scale
+        _, alarms, st = _verdicts(lambda: abft.ops.bmm(p.mT, do), backend)
+        assert alarms == [] and st.get("unverified_calls", 0) == 0
+
+
+def test_inf_in_fp16_product_far_from_overflow_alarms():
+    """K 4096, |C| <= 4.4e3: the Cauchy-Schwarz bound of the tile reaches fp16's maximum, so an
+    injected +Inf was taken for an overflow and left unverified. The column sum without that
+    element says its true value, far below the maximum: a fault."""
+    torch.manual_seed(0)
+    a = (torch.randn(64, 4096) * 4).half()
+    b = (torch.randn(4096, 64) * 4).half()
+    assert (a.float() @ b.float()).abs().max() < 6e3
+    with abft.inject(row=3, col=5, kind="value", value=float("inf")):
+        _, alarms, st = _verdicts(lambda: abft.ops.mm(a, b))
+    (al,) = alarms
+    assert (al.kind, al.row, al.col) == ("nonfinite", 3, 5)
+
+
+def test_legitimate_fp16_overflow_stays_unverified():
+    """The mirror case: a product that really exceeds fp16's range is not a fault."""
+    a = torch.full((32, 64), 40.0).half()
+    b = torch.full((64, 32), 40.0).half()
+    _, alarms, st = _verdicts(lambda: abft.ops.mm(a, b))
+    assert alarms == [] and st["unverified_calls"] == 1
+
+
+@pytest.mark.parametrize("k", [16384, 65536])
+def test_low_entropy_shared_constant_at_half_the_positions(k):
+    """fp32, half the K positions of A and B carrying one shared constant: the sampled
+    low-entropy test saw 9 distinct values in 16 and the sums alarmed (ratio 3.96 at K 65536).
+    The check's own float32 arithmetic rounded those terms with one sign; it now runs in float64,
+    and the sampler flags a nonzero value repeated at a quarter of the samples."""
+    torch.manual_seed(0)
+    a, b = torch.randn(64, k), torch.randn(k, 64)
+    idx = torch.randperm(k)[:k // 2]
+    a[:, idx] = 0.37
+    b[idx, :] = 0.61
+    _, alarms, st = _verdicts(lambda: abft.ops.mm(a, b), tiles=(64, 64))
+    assert alarms == [] and st["checked_calls"] == 1
+
+
+def test_low_entropy_sampler_flags_a_shared_constant_not_zeros():
+    from abft.kernels.stats import low_entropy
+    x = torch.randn(3, 4096)
+    x[0, ::2] = 0.37          # a shared constant at half the places
+    x[1, ::2] = 0.0           # zeros (ReLU): adding them is exact
+    assert low_entropy(x).tolist() == [True, False, False]
+
+
+def test_fp16_outputs_below_the_subnormal_range_round_with_one_sign():
+    """fp16 outputs below half its smallest subnormal all round to zero, each error with its
+    element's sign: a coherent error the random model took for noise."""
+    g = torch.Generator().manual_seed(0)
+    a = (torch.rand(64, 128, generator=g) * 0.5 + 0.5) * 2.0 ** -10
+    b = (torch.rand(128, 64, generator=g) * 0.5 + 0.5) * 2.0 ** -22
+    a, b = a.half(), b.half()
+    exact = a.double() @ b.double()
+    assert exact.max() < 2.0 ** -25 and exact.min() > 2.0 ** -26     # all round to zero
+    _, alarms, st = _verdicts(lambda: abft.ops.mm(a, b), tiles=(64, 64))
+    assert alarms == [] and st.get("unverified_calls", 0) == 0
+
+
+def test_bf16_flushed_subnormal_inputs_do_not_alarm():
+    """oneDNN's bf16 GEMM on some CPUs treats subnormal inputs as zero: a product computed that
+    way (emulated here: this CPU honours them) is no fault."""
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(64, 128, generator=g).bfloat16()
+    a[:, ::3] = torch.finfo(torch.bfloat16).tiny / 4                 # subnormal inputs
+    b = (torch.randn(128, 64, generator=g) * 2.0 ** 100).bfloat16()
+    flushed = torch.where(a.abs() < torch.finfo(torch.bfloat16).tiny, 0, a)
+    c = flushed @ b
+    assert (c.double() - a.double() @ b.double()).abs().max() > 1e-3 * c.double().abs().max()
+    from abft.ops import Problem, _check
+    from abft.faults import CallContext
+    pb = Problem("mm", a, b, c)
+    ctx = CallContext("mm", "forward", {}, 0, tuple(c.shape), c.dtype)
+    with abft.config(tiles=(64, 64)) as s:
+        p = _check(pb, ctx, s)
+    assert p.summary.tolist()[:2] == [0.0, 0.0]
+
+
+def test_bf16_products_flushed_to_zero_do_not_alarm():
+    """bf16 products below fp32's normal range are flushed to zero by the CPU GEMM (a guard: the
+    float64 check sees those products where the old float32 one lost them too)."""
+    a = torch.full((32, 64), 2.0 ** -70).bfloat16()
+    b = (torch.rand(64, 32) + 1).bfloat16() * 2.0 ** -70
+    _, alarms, st = _verdicts(lambda: abft.ops.mm(a, b))
+    assert alarms == []
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=str)
+def test_addmm_with_a_1d_input_and_empty_k(dtype):
+    """The OpInfo sample addmm(input (10,), (5, 0), (0, 10), beta=0.2, alpha=0.6): C is beta * input
+    rounded once; the check rounded beta * input in bf16 first, and alarmed."""
+    torch.manual_seed(0)
+    i = torch.randn(10).to(dtype)
+    m1, m2 = torch.randn(5, 0).to(dtype), torch.randn(0, 10).to(dtype)
+    with abft.config(policy="raise"):
+        with abft.checked():
+            out = torch.addmm(i, m1, m2, beta=0.2, alpha=0.6)
+    assert torch.equal(out, torch.addmm(i, m1, m2, beta=0.2, alpha=0.6))
+
+
+@pytest.mark.parametrize("shapes", [((5, 5, 0), (0, 5)), ((5, 5, 0), (0,)), ((2, 0, 3), (3, 4)),
+                                    ((5, 5, 0), (5, 0, 4))])
+def test_matmul_with_a_zero_size_operand(shapes):
+    """abft.matmul on a (5, 5, 0) operand raised 'cannot reshape tensor of 0 elements'."""
+    a = torch.randn(*shapes[0], requires_grad=True)
+    b = torch.randn(*shapes[1], requires_grad=True)
+    out = abft.matmul(a, b)
+    ref = torch.matmul(a.detach(), b.detach())
+    assert out.shape == ref.shape and torch.equal(out, ref)
+    out.sum().backward()
+    assert a.grad.shape == a.shape and b.grad.shape == b.shape
+    assert abft.flush() == []

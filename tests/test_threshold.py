@@ -1,0 +1,266 @@
+"""Gates of the threshold on the stress set: no false alarm, every threshold at most the
+deterministic worst-case bound of its sum, every error above that bound detected and located."""
+import os
+import zlib
+
+import pytest
+import torch
+
+from stress import cases, operands, worst_case_bounds
+from abft.kernels.reference import check
+from abft.kernels import layout as L
+from abft.kernels.threshold import units
+
+CASES = list(cases(quick=True))
+ID = lambda c: f"{c[0]}-M{c[1]}-K{c[2]}-N{c[3]}-{str(c[4]).replace('torch.', '')}"
+
+
+def _run(case, seed, bm, bn, inject=None):
+    dist, m, k, n, dt = case
+    a, b = operands(dist, m, k, n, dt, seed)
+    c = a @ b
+    if inject is not None:
+        inject(a, b, c)
+    v, detail, sums = check(a, b, c, bm=bm, bn=bn, units=units(dt), return_sums=True)
+    return a, b, c, v, detail, sums
+
+
+def _assert_clean(case, seed, bm, bn):
+    *_, v, (rr, rc), _ = _run(case, seed, bm, bn)
+    worst = max(rr.abs().max().item(), rc.abs().max().item())
+    assert worst <= 1, f"false alarm: {ID(case)} seed {seed} tiles {bm}x{bn}: ratio {worst:.3f}"
+    assert (v[..., L.STATUS] == L.OK).all()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_no_false_alarm_fixed_seeds(seed):
+    for case in CASES:
+        for bm, bn in ((32, 32), (256, 256), (48, 17)):
+            _assert_clean(case, seed, bm, bn)
+
+
+def test_no_false_alarm_fresh_seed(request):
+    seed = request.config.getoption("--stress-seed")
+    if seed is None:
+        seed = int.from_bytes(os.urandom(4), "little")
+    print(f"stress seed {seed} (replay: pytest tests/test_tolerance.py --stress-seed {seed})")
+    for case in CASES:
+        _assert_clean(case, seed, 32, 32)
+
+
+@pytest.mark.parametrize("case", CASES, ids=ID)
+def test_threshold_within_worst_case_bound(case):
+    a, b, c, v, _, sums = _run(case, 0, 32, 32)
+    w_col, w_row = worst_case_bounds(a, b, c, 32, 32)
+    for name, thr, w in (("col", sums["thr_col"], w_col), ("row", sums["thr_row"], w_row)):
+        excess = (thr.double() / w).max().item()
+        assert excess <= 1.0, f"{ID(case)}: a {name} threshold is {excess:.3g}x its worst-case bound"
+
+
+@pytest.mark.parametrize("case", CASES, ids=ID)
+def test_error_above_worst_case_bound_detected_and_located(case):
+    dist, m, k, n, dt = case
+    g = torch.Generator().manual_seed(zlib.crc32(ID(case).encode()))
+    bm = bn = 32
+    for _ in range(3):
+        i, j = int(torch.randint(m, (1,), generator=g)), int(torch.randint(n, (1,), generator=g))
+        sign = 1 if torch.rand(1, generator=g).item() < 0.5 else -1
+        a, b = operands(dist, m, k, n, dt, 0)
+        c = a @ b
+        w_col, w_row = worst_case_bounds(a, b, c, bm, bn)
+        w = max(w_col[i // bm, j].item(), w_row[i, j // bn].item())
+        before = c[i, j].double().item()
+        big = torch.finfo(dt).max / 2
+        if abs(before + sign * 4 * w) > big:
+            sign = -sign        # keep the corrupted value representable
+        if abs(before + sign * 4 * w) > big:
+            continue            # no error above the bound is representable here (fp16)
+        c[i, j] = before + sign * 2 * w
+        moved = abs(c[i, j].double().item() - before)
+        if moved <= w:          # rounding of the stored dtype swallowed it: push harder
+            c[i, j] = before + sign * 4 * w + sign * abs(before) * 2 ** -6
+            moved = abs(c[i, j].double().item() - before)
+        assert w < moved < float("inf")
+        v, (rr, rc) = check(a, b, c, bm=bm, bn=bn, units=units(dt))
+        t = v[i // bm, j // bn]
+        assert t[L.ROW_RATIO] > 1 and t[L.COL_RATIO] > 1, f"{ID(case)}: missed an error of {moved:.3g} > bound {w:.3g}"
+        assert int(t[L.ROW]) == i and int(t[L.COL]) == j
+        alarmed = (v[..., L.ROW_RATIO] > 1) | (v[..., L.COL_RATIO] > 1)
+        assert alarmed.sum() == 1, "the alarm must stay in the corrupted tile"
+        est = t[L.RESIDUAL].item()
+        assert abs(est - (c[i, j].double().item() - before)) <= 0.01 * moved + 2 * w
+
+
+# -- one model, two evaluators ------------------------------------------------------------------
+
+def test_kernel_layer_imports_nothing_above_it():
+    """abft.kernels (kernels/) is the arithmetic: it may import torch, triton and itself only."""
+    import ast
+    import pathlib
+    root = pathlib.Path(__file__).resolve().parent.parent / "kernels"
+    bad = []
+    for path in sorted(root.glob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            names = []
+            if isinstance(node, ast.Import):
+                names = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                names = [node.module or ""] if node.level == 0 else ["abft.kernels"]
+            bad += [f"{path.name}: {n}" for n in names
+                    if (n == "abft" or n.startswith("abft.")) and not n.startswith("abft.kernels")]
+    assert bad == []
+
+
+try:
+    import triton
+    import triton.language as tl
+    from abft.kernels.threshold import threshold_tl
+
+    @triton.jit
+    def _run_threshold(coef_ptr, i_ptr, o_ptr, N: tl.constexpr, CAP: tl.constexpr):
+        r = tl.arange(0, N)
+        thr = threshold_tl(coef_ptr, tl.load(i_ptr + 0 * N + r), tl.load(i_ptr + 1 * N + r),
+                           tl.load(i_ptr + 2 * N + r), tl.load(i_ptr + 3 * N + r),
+                           tl.load(i_ptr + 4 * N + r), tl.load(i_ptr + 5 * N + r),
+                           tl.load(i_ptr + 6 * N + r), tl.load(i_ptr + 7 * N + r),
+                           tl.load(i_ptr + 8 * N + r), tl.load(i_ptr + 9 * N + r),
+                           tl.load(i_ptr + 10 * N + r), tl.load(i_ptr + 11 * N + r) > 0,
+                           tl.load(i_ptr + 12 * N + r), tl.load(i_ptr + 13 * N + r),
+                           tl.load(i_ptr + 14 * N + r), CAP)
+        tl.store(o_ptr + r, thr)
+except ImportError:
+    _run_threshold = None
+
+
+def _random_sums(g, n, low_frac=0.3):
+    """Per-sum inputs of the threshold in scaled units, as the backends produce them."""
+    r = lambda: torch.rand(n, generator=g, dtype=torch.float64)
+    s2 = r() * 50 + 0.1
+    return dict(s1=(r() - 0.5) * 20, s2=s2, sa=s2.sqrt() * 3, pred=(r() - 0.5) * 20,
+                x1=r() * 40 + 0.25, xinf=r() + 0.25, xs1=r() * 90 + 0.25, xsinf=r() * 4 + 0.25,
+                y1=r() * 40 + 0.25, yinf=r() + 0.25, nu=torch.randint(1, 4, (n,), generator=g).double(),
+                low=r() < low_frac, ex=torch.randint(-40, 40, (n,), generator=g).double(),
+                ey=torch.randint(-40, 40, (n,), generator=g).double(), t=r() * 300)
+
+
+@pytest.mark.parametrize("k,dtype,flush", [(1000, torch.float32, False), (37, torch.bfloat16, True),
+                                           (5000, torch.float16, False)])
+def test_triton_threshold_is_the_torch_threshold(k, dtype, flush):
+    """threshold_tl (Triton) and threshold (torch) on the same per-sum inputs and coefficients:
+    equal to float32 round-off, term for term (tf32, directed rounding, low entropy, the cap and
+    flushed inputs included)."""
+    from abft.kernels import configs
+    from abft.kernels import threshold as T
+    if _run_threshold is None or (not configs.interpreting() and not torch.cuda.is_available()):
+        pytest.skip("needs triton, and TRITON_INTERPRET=1 or a GPU")
+    g = torch.Generator().manual_seed(k)
+    n = 64
+    x = _random_sums(g, n)
+    u = T.units(dtype, check=torch.float32, tf32=dtype == torch.float32, stored=False, flush=flush)
+    for acc in (T.blocked(k, 32), T.blocked(k, 8, directed=True), T.recursive(k)):
+        c = T.coefficients(u, k=k, bs=32, acc=acc, chk=T.blocked(k, 32))
+        order = ("s1", "s2", "sa", "pred", "x1", "xinf", "xs1", "xsinf", "y1", "yinf", "nu", "low",
+                 "ex", "ey", "t")
+        inp = torch.stack([x[f].double() for f in order]).float().contiguous()
+        out = torch.empty(n, dtype=torch.float32)
+        _run_threshold[(1,)](T.pack(c), inp, out, N=n, CAP=c.cap)
+        f32 = {f: inp[i].double() for i, f in enumerate(order)}
+        f32["low"] = f32["low"] > 0
+        ref = T.threshold(c, **f32)
+        assert torch.allclose(out.double(), ref, rtol=3e-6, atol=0), (acc, (out.double() / ref - 1).abs().max())
+        if c.cap:
+            assert (ref < T.threshold(T.coefficients(u, k=k, bs=32, acc=acc, chk=T.blocked(k, 32)),
+                                      **{**f32, "t": f32["t"] * 1e9})).any()
+
+
+@pytest.mark.parametrize("dist", ["gaussian", "llm_outliers", "rows_scaled", "few_values"])
+@pytest.mark.parametrize("k", [7, 300])
+def test_kernel_and_reference_thresholds_agree(dist, k):
+    """The real code paths on the same operands: the fused kernel's per-sum thresholds, and the
+    reference backend's given the kernel's units and accumulation (and its accumulator as C)."""
+    pytest.importorskip("triton")
+    from abft.kernels import configs, reference
+    from abft.kernels import threshold as T
+    from abft.kernels import triton_gemm as TG
+    if not configs.interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1")
+    a, b = operands(dist, 64, k, 40, torch.float32, 0)
+    c, v, _, ks = TG.checked_gemm(a, b, tiles=(32, 16), return_sums=True)
+    bk = configs.configs(32, 16, torch.float32)[0].kwargs["BLOCK_K"]
+    u = T.units(torch.float32, check=torch.float32, stored=False)
+    _, _, rs = reference.check(a, b, c, bm=32, bn=16, units=u, acc=TG.accumulation(k, torch.float32, False, bk),
+                               chk=T.blocked(k, bk), return_sums=True)
+    for side in ("col", "row"):
+        mine, theirs = ks[f"thr_{side}"][0].double(), rs[f"thr_{side}"]
+        assert torch.allclose(mine, theirs, rtol=1e-4, atol=0), (side, (mine / theirs - 1).abs().max())
+        res_k, res_r = ks[f"res_{side}"][0].double(), rs[f"res_{side}"]
+        assert ((res_k - res_r).abs() <= theirs).all()          # both residuals are round-off
+
+
+# -- magnitude-free ----------------------------------------------------------------------------
+
+from hypothesis import HealthCheck, given, settings, strategies as st  # noqa: E402
+
+_RANGES = {torch.float32: (120, 100), torch.bfloat16: (120, 100), torch.float16: (8, 6),
+           torch.float64: (900, 800)}
+
+
+def _scaled_case(data, dtype):
+    m, k, n = (data.draw(st.integers(1, hi)) for hi in (40, 70, 40))
+    seed = data.draw(st.integers(0, 2 ** 16))
+    lim, tot = _RANGES[dtype]
+    ea = data.draw(st.integers(-lim, lim))
+    eb = data.draw(st.integers(-tot, tot)) - ea
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(m, k, generator=g, dtype=torch.float64).to(dtype)
+    b = torch.randn(k, n, generator=g, dtype=torch.float64).to(dtype)
+    a2, b2 = a * 2.0 ** ea, b * 2.0 ** eb
+    c, c2 = a @ b, a2 @ b2
+    exact = lambda x, y, e: bool(torch.isfinite(y).all()) and torch.equal(y, x * 2.0 ** e) \
+        and torch.equal(y * 2.0 ** -e, x)
+    ok = exact(a, a2, ea) and exact(b, b2, eb) and exact(c, c2, ea + eb)
+    tiny = torch.finfo(dtype).tiny
+    ok = ok and bool(((c2 == 0) | (c2.abs() >= tiny)).all()) and bool(((a2 == 0) | (a2.abs() >= tiny)).all()) \
+        and bool(((b2 == 0) | (b2.abs() >= tiny)).all())
+    return a, b, c, a2, b2, c2, ok
+
+
+def _same_verdict(v, d, v2, d2, rtol):
+    assert torch.equal(v[..., L.STATUS], v2[..., L.STATUS])
+    for x, y in zip(d, d2):
+        assert torch.allclose(x.double(), y.double(), rtol=rtol, atol=1e-30)
+    alarm = lambda v: (v[..., L.ROW_RATIO] > 1) | (v[..., L.COL_RATIO] > 1)
+    assert torch.equal(alarm(v), alarm(v2))
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
+@given(data=st.data(), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64]))
+def test_reference_verdict_is_invariant_under_power_of_two_scaling(data, dtype):
+    """check(A 2^i, B 2^j, C 2^(i+j)) == check(A, B, C) from the smallest normal to the largest
+    finite product (the same products, computed by torch, exactly scaled)."""
+    from hypothesis import assume
+    a, b, c, a2, b2, c2, ok = _scaled_case(data, dtype)
+    assume(ok)
+    u = units(dtype)
+    v, d = check(a, b, c, bm=16, bn=16, units=u)
+    v2, d2 = check(a2, b2, c2, bm=16, bn=16, units=u)
+    _same_verdict(v, d, v2, d2, 1e-6)
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.filter_too_much])
+@given(data=st.data(), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+def test_kernel_verdict_is_invariant_under_power_of_two_scaling(data, dtype):
+    from hypothesis import assume
+    pytest.importorskip("triton")
+    from abft.kernels import configs
+    from abft.kernels import triton_gemm as TG
+    if not configs.interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1")
+    a, b, _, a2, b2, _, ok = _scaled_case(data, dtype)
+    assume(ok)
+    c, v, d = TG.checked_gemm(a, b, tiles=(16, 16))
+    c2, v2, d2 = TG.checked_gemm(a2, b2, tiles=(16, 16))
+    e = int(torch.log2(a2.abs().max() / a.abs().max()).round()) if a.abs().max() > 0 else 0
+    e += int(torch.log2(b2.abs().max() / b.abs().max()).round()) if b.abs().max() > 0 else 0
+    assume(torch.isfinite(c2).all() and torch.equal(c2, c * 2.0 ** e))
+    _same_verdict(v, d, v2, d2, 1e-5)
