@@ -133,14 +133,6 @@ def _fold(a, c):
         return a, c, None
 
 
-def _tf32(t):
-    if t.dtype != torch.float32:
-        return False
-    if t.device.type == "cuda":
-        return torch.backends.cuda.matmul.allow_tf32
-    return torch.get_float32_matmul_precision() != "highest"
-
-
 _SKIP = (os.path.dirname(os.path.abspath(__file__)), os.path.dirname(os.path.abspath(torch.__file__)))
 
 
@@ -262,19 +254,11 @@ def _repair(pb, alarm):
     c[rows, cols] = val.to(c.dtype)
 
 
-def _units(pb):
-    """The reference backend's round-off units: the stored output checked in float64; bf16 GEMMs
-    on CPUs flush subnormal inputs and products to zero."""
-    c = pb.c
-    return T.units(c.dtype, tf32=_tf32(pb.a),
-                   flush=c.device.type == "cpu" and c.dtype == torch.bfloat16)
-
-
 def _check(pb, ctx, s):
     bm, bn = s.tiles or (256, 256)
     m, n = pb.c.shape[-2], pb.c.shape[-1]
     b_stats = getattr(pb, "b_stats", None)
-    verdict, detail = reference.check(pb.a, pb.b, pb.c, bm=bm, bn=bn, units=_units(pb),
+    verdict, detail = reference.check(pb.a, pb.b, pb.c, bm=bm, bn=bn, units=reference.units_for(pb.c),
                                       alpha=pb.alpha, addend=pb.addend, beta=pb.beta, lam=s.lam,
                                       b_stats=None if b_stats is None else b_stats(max(1, min(bn, n))))
     info = dict(op=pb.op, phase=ctx.phase, labels=ctx.labels, call_id=ctx.call_id,

@@ -20,9 +20,19 @@ from abft.kernels import layout as L
 from abft.kernels import threshold as T
 from abft.kernels.stats import _CHUNK, _pad_blocks, _rows_per_chunk, _sum_blocks, operand_stats
 
-__all__ = ["check", "weight_stats"]
+__all__ = ["check", "weight_stats", "units_for"]
 
 F64 = torch.float64
+
+
+def units_for(c):
+    """Round-off units of a product torch computed as ``c``: the stored output checked in float64;
+    fp32 GEMMs may use tf32 (CUDA: ``allow_tf32``; CPU: a float32 matmul precision below
+    "highest"); bf16 GEMMs on CPUs flush subnormal inputs and products to zero."""
+    tf32 = c.dtype == torch.float32 and (
+        torch.backends.cuda.matmul.allow_tf32 if c.device.type == "cuda"
+        else torch.get_float32_matmul_precision() != "highest")
+    return T.units(c.dtype, tf32=tf32, flush=c.device.type == "cpu" and c.dtype == torch.bfloat16)
 
 
 def weight_stats(b, bn):

@@ -11,7 +11,7 @@ collects the round-off of
    rounding and partial sums that drift linearly to C_ij plus a random walk of variance
    Q_ij = sum_k x_ik^2 y_kj^2, the variance is u^2 (steps (C^2/9 + Q/6) + inner (inner C^2/(9K) + 5Q/18));
 2. the rounding of C to its stored dtype (bf16, fp16 outputs of the reference backend): its
-   deterministic bound u_out sum |C|. Not a random model: elements of nearly equal value (rows
+   deterministic bound u_out / (1 - u_out) sum |C| (relative to the stored values). Not a random model: elements of nearly equal value (rows
    that nearly repeat, a shared large component) round the same way, and their errors add up;
 3. tf32 rounding of the inputs: variance (2/3) u_tf^2 Q;
 4. the check's own arithmetic in its unit u_chk (the reference: float64; the kernel: float32): the
@@ -129,7 +129,7 @@ class Coefficients:
     bias: float         # allowance per |pred|
     lowent: float       # allowance per sum |C| where the data is low-entropy
     directed: float     # allowance per (|pred|/2 + sqrt(Q/3)) for directed rounding
-    out: float          # u_out
+    out: float          # per sum |C|: u_out / (1 - u_out), the rounding bound relative to the stored value
     out_add: float      # allowance per sum |addend| when beta * addend is rounded on its own
     eta_acc: float      # underflow per product term (times bs K)
     eta_out: float      # underflow per stored element (times bs)
@@ -170,9 +170,9 @@ def coefficients(u, *, k, bs, acc, chk=None, lam=None, scaled_addend=False):
         bias=2 * math.sqrt(n + m - 1) * u.acc + 2 * math.sqrt(nc + mc - 1) * u.chk + 2 * u.tf,
         lowent=(n + m) / 2 * u.acc + (nc + mc) / 2 * u.chk + bs * u.chk,
         directed=2 * u.acc * n if acc.directed else 0.0,
-        out=u.out, out_add=2 * u.out if scaled_addend else 0.0, eta_acc=u.eta_acc, eta_out=u.eta_out, ftz=u.ftz,
+        out=gamma(1, u.out), out_add=2 * u.out if scaled_addend else 0.0, eta_acc=u.eta_acc, eta_out=u.eta_out, ftz=u.ftz,
         w_t=gamma(n + m - 1, unit_w) + gamma(k, u.chk) + gamma(bs, u.chk) + 2 * u.tf,
-        w_sa=u.out + gamma(bs, u.chk), w_da=u.acc + gamma(bs, u.chk),
+        w_sa=gamma(1, u.out) + gamma(bs, u.chk), w_da=u.acc + gamma(bs, u.chk),
         w_scale=1 - 8 * u.chk, cap=k <= SMALL_K)
 
 

@@ -65,6 +65,20 @@ ROW_FIELDS = 4
 BLK_E, BLK_X1, BLK_XINF, BLK_XS1, BLK_XSINF, BLK_NU, BLK_LOW, BLK_FINITE = range(8)
 BLOCK_FIELDS = 8
 
+# the constants the kernel reads: the layout's fields and status codes, the statistics' fields,
+# the coefficients' width (taken from their modules, not retyped)
+_V = {name: tl.constexpr(getattr(L, name)) for name in
+      ("ROW_RATIO", "ROW_FAILS", "ROW", "COL_RATIO", "COL_FAILS", "COL", "RESIDUAL", "THRESHOLD",
+       "STATUS", "NFIELDS")}
+_OK, _UNVERIFIED, _NONFINITE = (tl.constexpr(x) for x in (L.OK, L.UNVERIFIED, L.NONFINITE))
+_F_ROW_RATIO, _F_ROW_FAILS, _F_ROW, _F_COL_RATIO, _F_COL_FAILS, _F_COL, _F_RES, _F_THR, _F_STATUS, \
+    _NFIELDS = (_V[k] for k in ("ROW_RATIO", "ROW_FAILS", "ROW", "COL_RATIO", "COL_FAILS", "COL",
+                                "RESIDUAL", "THRESHOLD", "STATUS", "NFIELDS"))
+_RF, _BF, _NCOEF = tl.constexpr(ROW_FIELDS), tl.constexpr(BLOCK_FIELDS), tl.constexpr(len(T.COEF_FIELDS))
+_RE, _RR1, _RRINF, _RLOW = (tl.constexpr(x) for x in (ROW_E, ROW_R1, ROW_RINF, ROW_LOW))
+_BE, _BX1, _BXINF, _BXS1, _BXSINF, _BNU, _BLOW, _BFIN = (tl.constexpr(x) for x in (
+    BLK_E, BLK_X1, BLK_XINF, BLK_XS1, BLK_XSINF, BLK_NU, BLK_LOW, BLK_FINITE))
+
 
 @triton.jit
 def _checked_gemm_kernel(
@@ -155,21 +169,23 @@ def _checked_gemm_kernel(
 
     if CHECK:
         # statistics of this tile's rows of A and columns of B, and of their blocks
-        ar = ar_ptr + pid_b * stride_arb + rm * 4
-        br = br_ptr + pid_b * stride_brb + rn * 4
-        ab = ab_ptr + pid_b * stride_abb + pid_m * 8
-        bb = bb_ptr + pid_b * stride_bbb + pid_n * 8
-        e_i = tl.load(ar + 0, mask=m_ok, other=0.0)
-        r1_i = tl.load(ar + 1, mask=m_ok, other=1.0)
-        rinf_i = tl.load(ar + 2, mask=m_ok, other=1.0)
-        low_i = tl.load(ar + 3, mask=m_ok, other=0.0) > 0
-        f_j = tl.load(br + 0, mask=n_ok, other=0.0)
-        r1_j = tl.load(br + 1, mask=n_ok, other=1.0)
-        rinf_j = tl.load(br + 2, mask=n_ok, other=1.0)
-        low_j = tl.load(br + 3, mask=n_ok, other=0.0) > 0
+        ar = ar_ptr + pid_b * stride_arb + rm * _RF
+        br = br_ptr + pid_b * stride_brb + rn * _RF
+        ab = ab_ptr + pid_b * stride_abb + pid_m * _BF
+        bb = bb_ptr + pid_b * stride_bbb + pid_n * _BF
+        e_i = tl.load(ar + _RE, mask=m_ok, other=0.0)
+        r1_i = tl.load(ar + _RR1, mask=m_ok, other=1.0)
+        rinf_i = tl.load(ar + _RRINF, mask=m_ok, other=1.0)
+        low_i = tl.load(ar + _RLOW, mask=m_ok, other=0.0) > 0
+        f_j = tl.load(br + _RE, mask=n_ok, other=0.0)
+        r1_j = tl.load(br + _RR1, mask=n_ok, other=1.0)
+        rinf_j = tl.load(br + _RRINF, mask=n_ok, other=1.0)
+        low_j = tl.load(br + _RLOW, mask=n_ok, other=0.0) > 0
+        e_p = tl.load(ab + _BE)
+        f_q = tl.load(bb + _BE)
         # scale each side's sums by 2^-(block exponent + row or column exponent), exactly
-        col_scale = pow2_tl(-(tl.load(ab + 0) + f_j))
-        row_scale = pow2_tl(-(e_i + tl.load(bb + 0)))
+        col_scale = pow2_tl(-(e_p + f_j))
+        row_scale = pow2_tl(-(e_i + f_q))
         big = 3.4028234663852886e38
         zc = acc * col_scale[None, :]
         zr = acc * row_scale[:, None]
@@ -181,26 +197,28 @@ def _checked_gemm_kernel(
         p_c = pc * col_scale
         p_r = pr * row_scale
         thr_c = threshold_tl(coef_ptr, s1_c, s2_c, tl.sum(tl.abs(zc), 0), p_c,
-                             tl.load(ab + 1), tl.load(ab + 2), tl.load(ab + 3), tl.load(ab + 4),
-                             r1_j, rinf_j, tl.load(ab + 5), tl.where(low_j, tl.load(ab + 6), 0.0) > 0,
-                             tl.load(ab + 0), f_j, tc * col_scale, CAP)
-        thr_r = threshold_tl(coef_ptr + 18, s1_r, s2_r, tl.sum(tl.abs(zr), 1), p_r,
-                             tl.load(bb + 1), tl.load(bb + 2), tl.load(bb + 3), tl.load(bb + 4),
-                             r1_i, rinf_i, tl.load(bb + 5), tl.where(low_i, tl.load(bb + 6), 0.0) > 0,
-                             tl.load(bb + 0), e_i, tr * row_scale, CAP)
+                             tl.load(ab + _BX1), tl.load(ab + _BXINF), tl.load(ab + _BXS1),
+                             tl.load(ab + _BXSINF), r1_j, rinf_j, tl.load(ab + _BNU),
+                             tl.where(low_j, tl.load(ab + _BLOW), 0.0) > 0, e_p, f_j,
+                             tc * col_scale, CAP)
+        thr_r = threshold_tl(coef_ptr + _NCOEF, s1_r, s2_r, tl.sum(tl.abs(zr), 1), p_r,
+                             tl.load(bb + _BX1), tl.load(bb + _BXINF), tl.load(bb + _BXS1),
+                             tl.load(bb + _BXSINF), r1_i, rinf_i, tl.load(bb + _BNU),
+                             tl.where(low_i, tl.load(bb + _BLOW), 0.0) > 0, f_q, e_i,
+                             tr * row_scale, CAP)
         res_c = s1_c - p_c
         res_r = s1_r - p_r
         # status: inputs finite (statistics), accumulator finite, thresholds finite; a
         # non-finite accumulator from finite inputs is an alarm unless the product may overflow
-        inputs_ok = (tl.load(ab + 7) > 0) & (tl.load(bb + 7) > 0)
+        inputs_ok = (tl.load(ab + _BFIN) > 0) & (tl.load(bb + _BFIN) > 0)
         acc_ok = tl.sum(tl.abs(s1_c), 0) < float("inf")
         thr_ok = (tl.sum(thr_c, 0) + tl.sum(thr_r, 0)) < float("inf")
         norm_a = tl.max(tl.where(m_ok, tl.sqrt(r1_i) * pow2_tl(e_i), 0.0), 0)
         norm_b = tl.max(tl.where(n_ok, tl.sqrt(r1_j) * pow2_tl(f_j), 0.0), 0)
         may_overflow = norm_a * norm_b >= big
-        status = tl.where(inputs_ok & thr_ok & acc_ok, 0.0, 1.0)
-        status = tl.where(inputs_ok & (acc_ok == 0) & (may_overflow == 0), 2.0, status)
-        unverified = status == 1.0
+        status = tl.where(inputs_ok & thr_ok & acc_ok, _OK, _UNVERIFIED)
+        status = tl.where(inputs_ok & (acc_ok == 0) & (may_overflow == 0), _NONFINITE, status)
+        unverified = status == _UNVERIFIED
         rat_c = tl.where(unverified, 0.0, tl.where(n_ok, res_c / thr_c, 0.0))
         rat_r = tl.where(unverified, 0.0, tl.where(m_ok, res_r / thr_r, 0.0))
         rat_c = tl.where(rat_c == rat_c, rat_c, float("inf"))          # NaN -> failing
@@ -216,8 +234,8 @@ def _checked_gemm_kernel(
         col_at = tl.where(cf > 0, (pid_n * BLOCK_N + ci).to(tl.float32), -1.0)
         row_at = tl.where(rf > 0, (pid_m * BLOCK_M + ri).to(tl.float32), -1.0)
         # residuals and thresholds in C's units: undo the scaling, apply alpha
-        unit_c = pow2_tl(tl.load(ab + 0)) * pow2_tl(f_j) * tl.abs(alpha)
-        unit_r = pow2_tl(e_i) * pow2_tl(tl.load(bb + 0)) * tl.abs(alpha)
+        unit_c = pow2_tl(e_p) * pow2_tl(f_j) * tl.abs(alpha)
+        unit_r = pow2_tl(e_i) * pow2_tl(f_q) * tl.abs(alpha)
         sgn = tl.where(alpha < 0, -1.0, 1.0)
         sel_c = tl.arange(0, BLOCK_N) == ci
         sel_r = tl.arange(0, BLOCK_M) == ri
@@ -226,11 +244,12 @@ def _checked_gemm_kernel(
         thr_w = tl.where(cf > 0, tl.sum(tl.where(sel_c, thr_c * unit_c, 0.0), 0),
                          tl.sum(tl.where(sel_r, thr_r * unit_r, 0.0), 0))
         f = tl.arange(0, 16)
-        rec = tl.where(f == 0, rw, tl.where(f == 1, rf, tl.where(f == 2, row_at, tl.where(
-            f == 3, cw, tl.where(f == 4, cf, tl.where(f == 5, col_at, tl.where(
-                f == 6, res_w, tl.where(f == 7, thr_w, status))))))))
-        v_off = ((pid_b * TM + pid_m) * TN + pid_n) * 9
-        tl.store(v_ptr + v_off + f, rec, mask=f < 9)
+        rec = tl.where(f == _F_ROW_RATIO, rw, tl.where(f == _F_ROW_FAILS, rf, tl.where(
+            f == _F_ROW, row_at, tl.where(f == _F_COL_RATIO, cw, tl.where(
+                f == _F_COL_FAILS, cf, tl.where(f == _F_COL, col_at, tl.where(
+                    f == _F_RES, res_w, tl.where(f == _F_THR, thr_w, status))))))))
+        v_off = ((pid_b * TM + pid_m) * TN + pid_n) * _NFIELDS
+        tl.store(v_ptr + v_off + f, rec, mask=f < _NFIELDS)
         tl.store(rr_ptr + (pid_b * M + rm) * TN + pid_n, rat_r, mask=m_ok)
         tl.store(rc_ptr + (pid_b * TM + pid_m) * N + rn, rat_c, mask=n_ok)
         if SUMS:

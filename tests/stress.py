@@ -85,7 +85,7 @@ def _blocks(x, bs, dim):
 def worst_case_bounds(a, b, c, bm, bn):
     """Deterministic worst-case bound of every checked sum's round-off, in float64:
     column sums (TM, N) and row sums (M, TN). The product: gamma_K sum |a||b| plus the rounding of
-    C to its dtype (u_out |c|, or half the smallest subnormal below the normal range); the check (in
+    C to its dtype (u_out / (1 - u_out) |c| of the stored c, or half the smallest subnormal below the normal range); the check (in
     float64): gamma_bs for the sum of C and for the sums of A (or B), gamma_K for the predicted
     product, plus underflow."""
     dt = c.dtype
@@ -102,7 +102,7 @@ def worst_case_bounds(a, b, c, bm, bn):
         xs = _blocks(x, bs, 0)                     # sum_i |x_ik| per block
         t = xs @ y                                 # sum_i sum_k |x||y|
         zs = _blocks(z, bs, 0)
-        w = (gamma(k, u_acc) * t + u_out * zs
+        w = (gamma(k, u_acc) * t + gamma(1, u_out) * zs
              + gamma(bs, u_chk) * zs + gamma(bs, u_chk) * t + gamma(k, u_chk) * t * (1 + gamma(bs, u_chk))
              + 4 * (k + bs) * bs * eta + bs * eta_out)
         out.append(w)

@@ -85,8 +85,7 @@ def _gate(model, data, modes, steps, *, batch, seq, layers):
         assert all(cov[k]["checked"] == 3 * steps for k in linears), mode
         assert all(cov[k]["checked"] == 2 * 3 * steps for k in attn), mode
         s = abft.stats()
-        assert s["alarms"] if "alarms" in s else True
-        assert s.get("unverified_calls", 0) == 0, (mode, s)
+        assert s.get("alarms", 0) == 0 and s.get("unverified_calls", 0) == 0, (mode, s)
         total = sum(r["checked"] for r in cov.values())
         print(f"{mode}: {steps} steps, {total} checked GEMMs, 0 alarms, loss {losses[0]:.3f} -> "
               f"{losses[-1]:.3f}, worst clean ratio {abft.stats()['margins'][0]['worst']:.3f}")
@@ -105,7 +104,7 @@ def test_llama_trains_with_every_gemm_checked_and_no_alarm():
 def test_llama_on_the_fused_kernel_has_no_alarm():
     pytest.importorskip("triton")
     data = corpus(20)
-    model = llama(width=32, layers=1, heads=2, kv_heads=1, ffn=64)
+    model = llama(width=32, layers=1, heads=1, kv_heads=1, ffn=64)
     train(model, data, 150, batch=4, seq=32, seed=0)
     with abft.config(backend="triton"):
         _gate(model, data, ("fp32", "bf16", "fp16"), 8, batch=2, seq=16, layers=1)
