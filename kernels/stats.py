@@ -43,6 +43,7 @@ class OperandStats:
     nu: torch.Tensor
     s: Optional[torch.Tensor] = None
     absum: Optional[torch.Tensor] = None
+    times: Optional[torch.Tensor] = None
 
     def block_low(self):
         """(..., T): the block holds a low-entropy row."""
@@ -88,12 +89,16 @@ def _(amax):
     return torch.empty_like(amax, dtype=torch.float64)
 
 
-def operand_stats(x, bs, *, need_s=False, need_abs=False):
-    """Statistics of the rows of ``x`` (..., R, K) for blocks of ``bs`` rows (``OperandStats``)."""
+def operand_stats(x, bs, *, need_s=False, need_abs=False, rhs=None):
+    """Statistics of the rows of ``x`` (..., R, K) for blocks of ``bs`` rows (``OperandStats``).
+    With ``rhs`` (..., S, K), also ``times``: (x 2^-e) @ rhs^T (..., R, S) in float64, from the
+    same pass over x (the reference's row predictions)."""
     *batch, r, k = x.shape
     f64 = dict(dtype=torch.float64, device=x.device)
     t = -(-r // bs)
-    amax = x.abs().amax(-1).to(torch.float64) if k else torch.zeros(*batch, r, **f64)
+    # max |x| per row, as max(max x, -min x): no |x| temporary, and fast on strided rows too
+    amax = (torch.maximum(x.amax(-1), -x.amin(-1)).to(torch.float64) if k
+            else torch.zeros(*batch, r, **f64))
     finite = torch.isfinite(amax)
     e = exponents(amax)
     # zero rows (and non-finite ones) do not set their block's scale; an all-zero block has E = 0
@@ -102,10 +107,13 @@ def operand_stats(x, bs, *, need_s=False, need_abs=False):
     E = torch.where(torch.isfinite(E), E, torch.zeros_like(E))
     row_to_block = (e - E.repeat_interleave(bs, -1)[..., :r])      # <= 0: x 2^-E = (x 2^-e) 2^(e - E)
     r1 = torch.zeros(*batch, r, **f64)
-    rinf = torch.zeros(*batch, r, **f64)
     alpha = torch.zeros(*batch, t, k, **f64)
     s = torch.zeros(*batch, t, k, **f64)
     absum = torch.zeros(*batch, t, k, **f64) if need_abs else None
+    times = None if rhs is None else torch.zeros(*batch, r, rhs.shape[-2], **f64)
+    # float64 holds the squares of any float32, bf16 or fp16 value: those operands are summed as
+    # they are and their sums scaled after, exactly. float64 operands are scaled before squaring.
+    prescale = x.dtype == torch.float64
     if k and r:
         if x.stride(-2) == 1 and x.stride(-1) != 1 and r > 1:
             # column-major (B^T of a row-major B): chunk along K, rows of the chunk transposed
@@ -113,35 +121,51 @@ def operand_stats(x, bs, *, need_s=False, need_abs=False):
             sc = torch.exp2(-e).unsqueeze(-1)
             fb = torch.exp2(row_to_block).unsqueeze(-1)
             for k0 in range(0, k, step):
-                xs = x[..., :, k0:k0 + step].to(torch.float64) * sc          # (..., R, kk)
+                xs = x[..., :, k0:k0 + step].to(torch.float64)               # (..., R, kk)
+                if prescale:
+                    xs = xs * sc
+                if rhs is not None:
+                    times += xs @ rhs[..., k0:k0 + step].mT
                 sq = _square(xs)
                 r1 += sq.sum(-1)
-                torch.maximum(rinf, _amax(sq, -1), out=rinf)
-                xb = xs * fb
+                xb = xs * fb if prescale else xs
                 s[..., k0:k0 + step] = _sum_blocks(xb, bs, -2)
-                alpha[..., k0:k0 + step] = _sum_blocks(sq * (fb * fb), bs, -2)
+                alpha[..., k0:k0 + step] = _sum_blocks(sq * (fb * fb) if prescale else sq, bs, -2)
                 if need_abs:
                     absum[..., k0:k0 + step] = _sum_blocks(xb.abs(), bs, -2)
         else:
             step = _rows_per_chunk(x, bs, k)
             for r0 in range(0, r, step):
                 t0, t1 = r0 // bs, r0 // bs + -(-min(step, r - r0) // bs)
-                xs = x[..., r0:r0 + step, :].to(torch.float64) * torch.exp2(-e[..., r0:r0 + step]).unsqueeze(-1)
+                xs = x[..., r0:r0 + step, :].to(torch.float64)
+                if prescale:
+                    xs = xs * torch.exp2(-e[..., r0:r0 + step]).unsqueeze(-1)
                 sq = _square(xs)
                 r1[..., r0:r0 + step] = sq.sum(-1)
-                rinf[..., r0:r0 + step] = _amax(sq, -1)
-                fb = torch.exp2(row_to_block[..., r0:r0 + step]).unsqueeze(-1)
-                xb = xs * fb
+                if rhs is not None:
+                    times[..., r0:r0 + step, :] = xs @ rhs.mT
+                if prescale:
+                    fb = torch.exp2(row_to_block[..., r0:r0 + step]).unsqueeze(-1)
+                    xb, sqb = xs * fb, sq * (fb * fb)
+                else:
+                    xb, sqb = xs, sq
                 s[..., t0:t1, :] = _sum_blocks(xb, bs, -2)
-                alpha[..., t0:t1, :] = _sum_blocks(sq * (fb * fb), bs, -2)
+                alpha[..., t0:t1, :] = _sum_blocks(sqb, bs, -2)
                 if need_abs:
                     absum[..., t0:t1, :] = _sum_blocks(xb.abs(), bs, -2)
+    rinf = (amax * torch.exp2(-e)) ** 2                       # max_k of the scaled squares
+    if not prescale:
+        row, blk = torch.exp2(-e), torch.exp2(-E).unsqueeze(-1)
+        r1 = r1 * (row * row)
+        times = None if times is None else times * row.unsqueeze(-1)
+        s, alpha = s * blk, alpha * (blk * blk)
+        absum = absum * blk if need_abs else None
     s2 = s * s
     key_nan = torch.where(finite, r1, torch.full_like(r1, float("nan")))
     return OperandStats(
         bs=bs, e=e, r1=r1, rinf=rinf, finite=finite, low=low_entropy(x), E=E,
         x1=alpha.sum(-1), xinf=_amax(alpha, -1), xs1=s2.sum(-1), xsinf=_amax(s2, -1),
-        nu=_multiplicity(e, key_nan, bs), s=s if need_s else None, absum=absum)
+        nu=_multiplicity(e, key_nan, bs), s=s if need_s else None, absum=absum, times=times)
 
 
 def _sum_blocks(x, bs, dim):

@@ -207,7 +207,10 @@ def threshold(c, *, s1, s2, sa, pred, x1, xinf, xs1, xsinf, y1, yinf, nu, low, e
     prod = c.p_s2 * s2 + c.p_q * q
     if d2 is not None:
         prod = prod + c.p_d2 * d2
-    check = c.c_p2 * pred * pred + c.c_qs * qs + c.c_s12 * s1 * s1 + c.c_s2 * s2 + c.c_q * q
+    # a corrupted sum may overflow its square: clamped, a huge error stays an alarm, not unverified
+    big = torch.finfo(s1.dtype).max
+    check = c.c_p2 * torch.clamp(pred * pred, max=big) + c.c_qs * qs \
+        + c.c_s12 * torch.clamp(s1 * s1, max=big) + c.c_s2 * s2 + c.c_q * q
     thr = c.lam * torch.sqrt(nu * prod + check) + c.bias * pred.abs()
     thr = thr + c.directed * (0.5 * pred.abs() + torch.sqrt(q / 3))
     thr = thr + torch.where(low, c.lowent * sa, torch.zeros_like(sa))
@@ -254,6 +257,7 @@ def pack(*coefs, device=None):
 
 if triton is not None:
     _FLOOR = tl.constexpr(FLOOR)
+    _BIG = tl.constexpr(3.4028234663852886e38)     # float32's largest finite value
 
     @triton.jit
     def pow2_tl(e):
@@ -292,7 +296,9 @@ if triton is not None:
         q = holder_tl(x1, xinf, y1, yinf)
         qs = holder_tl(xs1, xsinf, y1, yinf)
         prod = p_s2 * s2 + p_q * q
-        check = c_p2 * pred * pred + c_qs * qs + c_s12 * s1 * s1 + c_s2 * s2 + c_q * q
+        # a corrupted sum may overflow its square: clamped, a huge error stays an alarm
+        check = c_p2 * tl.minimum(pred * pred, _BIG) + c_qs * qs + c_s12 * tl.minimum(s1 * s1, _BIG) \
+            + c_s2 * s2 + c_q * q
         thr = lam * tl.sqrt(nu * prod + check) + bias * tl.abs(pred)
         thr = thr + directed * (0.5 * tl.abs(pred) + tl.sqrt(q / 3))
         thr = thr + tl.where(low, lowent * sa, 0.0)

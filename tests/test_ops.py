@@ -115,6 +115,20 @@ def test_nonfinite_output_from_finite_input_is_an_alarm():
     assert alarm.kind == "nonfinite"
 
 
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_nonfinite_output_in_a_later_chunk_is_located(bad):
+    """The reference reads C in chunks of rows; on the CPU a chunk's non-finite bookkeeping runs
+    only when its sums are not finite: a bad element in the second chunk is found and located."""
+    from abft.kernels import stats
+    a, b = torch.randn(4096, 32), torch.randn(32, 256)
+    rows = 256 * max(1, stats._CHUNK // (256 * 256))
+    assert rows < 3000 < 4096                               # two chunks at least, the fault in the second
+    with abft.inject(kind="value", value=bad, row=3000, col=20):
+        abft.mm(a, b)
+    (alarm,) = abft.flush()
+    assert (alarm.kind, alarm.row, alarm.col) == ("nonfinite", 3000, 20)
+
+
 def test_fp16_overflow_is_unverified():
     a = torch.full((8, 64), 200.0, dtype=torch.float16)
     b = torch.full((64, 8), 200.0, dtype=torch.float16)

@@ -345,3 +345,31 @@ def test_correct_policy_on_a_scaled_product():
     assert (al.action, al.batch, al.row, al.col) == ("corrected", (1,), 7, 20)
     assert al.residual == pytest.approx(-1.5, rel=1e-3)
     torch.testing.assert_close(out, ref, rtol=1e-5, atol=1e-4)
+
+
+def test_interpreted_bf16_output_is_rounded_to_nearest():
+    """The interpreter's fp32 -> bf16 cast truncates; a GPU rounds to nearest even. The kernel
+    rounds explicitly when interpreting, so its bf16 output is the accumulator rounded by torch."""
+    torch.manual_seed(0)
+    a, b = torch.randn(37, 45).bfloat16(), torch.randn(45, 29).bfloat16()
+    acc, _, _ = TG.checked_gemm(a.float(), b.float())          # fp32 output: the accumulator
+    c, _, _ = TG.checked_gemm(a, b)
+    assert torch.equal(c, acc.to(torch.bfloat16))
+    assert not torch.equal(c, (acc.view(torch.int32) & -65536).view(torch.float32).to(torch.bfloat16))
+
+
+def test_huge_accumulator_fault_is_an_alarm_not_unverified():
+    """Bit 30 flipped in a partial sum below 2 makes it ~1e38, still finite: the squared sums of
+    the threshold overflowed float32 and the tile was left unverified (a miss in the per-bit
+    table). Squares are clamped, so the huge error is alarmed at its element."""
+    import triton
+    bk128 = triton.Config({"BLOCK_K": 128}, num_warps=4, num_stages=1)
+    g = torch.Generator().manual_seed(30 * 1009 + 9)        # eval/bitflips.py's trial 9 of bit 30
+    a = torch.randn(32, 4096, generator=g).to(torch.bfloat16)
+    b = torch.randn(4096, 32, generator=g).to(torch.bfloat16)
+    c, v, _ = TG.checked_gemm(a, b, config=bk128,
+                              inject=dict(kind="bitflip", row=3, col=31, k_step=18, bit=30))
+    assert 1e37 < abs(c[3, 31].float().item()) < float("inf")
+    t = v[0, 0, 0]
+    assert t[L.STATUS] == L.OK and t[L.ROW_RATIO] > 1 and t[L.COL_RATIO] > 1
+    assert (int(t[L.ROW]), int(t[L.COL])) == (3, 31)
