@@ -42,9 +42,18 @@ def _g(kind, a, b, op, phase, module):
 
 # -- linear ------------------------------------------------------------------------------------
 
+def _weight_summary(w, key):
+    """What a check of x @ w.T keeps of w: the reference's statistics for blocks of ``key`` columns
+    (an int), or the fused kernel's pre-pass for its key (``triton_gemm.Layout.b_key``)."""
+    if isinstance(key, int):
+        return weight_stats(w.t(), key)
+    from abft.kernels import prepass
+    return prepass.prepare(w, *key)
+
+
 @custom_op("abft::linear", mutates_args=())
 def linear_op(x: Tensor, w: Tensor, b: Optional[Tensor], module: str, wkey: int) -> Tensor:
-    stats = weightcache.getter(w, wkey, lambda w_, bn: weight_stats(w_.t(), bn)) if wkey else None
+    stats = weightcache.getter(w, wkey, _weight_summary) if wkey else None
     return ops.linear(x, w, b, module=module or None, weight_stats=stats)
 
 

@@ -81,11 +81,12 @@ class TritonProblem(Problem):
     def verify(self, ctx, s):
         from abft.kernels import triton_gemm
         inject = faults.kernel_injection(ctx) if faults.active() else None
-        bm, bn = s.tiles or triton_gemm.tiles_for(self.shape[-2], self.shape[-1], self.a.shape[-1], self.dtype)
+        tiles = s.tiles or triton_gemm.tiles_for(self.shape[-2], self.shape[-1], self.a.shape[-1], self.dtype)
+        # the verdict's tiles: the kernel's, less its checksum rows and columns
+        bm, bn = triton_gemm.data_tiles(self.a, self.b, tiles)
         self.c, verdict, detail = triton_gemm.checked_gemm(
             self.a, self.b, self.bias, addend=self.kernel_addend, alpha=self.alpha,
-            beta=self.kernel_beta, tiles=(bm, bn), inject=inject, lam=s.lam,
-            b_stats=None if self.b_stats is None else self.b_stats(bn))
+            beta=self.kernel_beta, tiles=tiles, inject=inject, lam=s.lam, b_stats=self.b_stats)
         if self.c.dim() == 2:
             verdict, detail = verdict[0], (detail[0][0], detail[1][0])
         info = dict(op=self.op, phase=ctx.phase, labels=ctx.labels, call_id=ctx.call_id,

@@ -103,6 +103,11 @@ def add_arguments(ap):
     ap.add_argument("--smoke", action="store_true",
                     help="with --device cuda: run the kernel path on a tiny shape (under "
                          "TRITON_INTERPRET=1 when no GPU is present)")
+    ap.add_argument("--static", action="store_true",
+                    help="no GPU needed: compile every kernel of a checked call for --arch, read "
+                         "its SASS, estimate the cost at H200 peaks; writes --out/report.json")
+    ap.add_argument("--arch", default="90", help="with --static: 90 (sm_90a, gated) or 80 (sm_80)")
+    ap.add_argument("--out", default="runs/static", help="with --static: the report's folder")
     ap.add_argument("--model", default=None,
                     help="package.module:factory returning (model, inputs) with model(*inputs) a "
                          "loss: time one training step plain vs protected")
@@ -143,8 +148,10 @@ def kernel_bench(args):
                          "on the CPU through the Triton interpreter)")
     if args.smoke and not cuda:
         os.environ.setdefault("TRITON_INTERPRET", "1")
-    from abft.kernels.triton_gemm import checked_gemm
     from abft.kernels import layout as L
+    from abft.kernels import prepass
+    from abft.kernels import triton_gemm as TG
+    checked_gemm = TG.checked_gemm
     dev = "cuda" if cuda else "cpu"
     dtype = getattr(torch, "bfloat16" if args.dtype == "float32" and not args.smoke else args.dtype)
     if args.smoke:
@@ -160,9 +167,10 @@ def kernel_bench(args):
     name = torch.cuda.get_device_name(0) if cuda else "cpu (interpreter)"
     print(f"{name}, {str(dtype).replace('torch.', '')}, L2 {l2 >> 20} MiB; ms are medians; "
           f"inputs rotated beyond L2")
-    print("| shape | GEMM | torch ms | unchecked ms | checked ms | checked / unchecked | "
-          "unchecked / torch | checked / torch | checked TFLOP/s | max err / torch's | alarms |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    print("| shape | GEMM | torch ms | unchecked ms | checked ms | checked, weight kept ms | "
+          "checked / unchecked | unchecked / torch | checked / torch | checked TFLOP/s | "
+          "max err / torch's | alarms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     g = torch.Generator().manual_seed(0)
     for kind, m0, k0, n0 in parse_shapes(spec):
         for gemm, m, k, n, make in gemms(kind, m0, k0, n0):
@@ -178,21 +186,59 @@ def kernel_bench(args):
             sets = [(a, b)] + [make(g, dtype, dev) for _ in range(copies - 1)]
             fns = {"torch": torch.matmul, "unchecked": lambda x, y: checked_gemm(x, y, check=False),
                    "checked": checked_gemm}
+            if gemm in ("forward", "grad_input"):
+                # b is the layer's weight: its pre-pass is kept between optimizer steps
+                kept = {id(y): prepass.prepare(y.mT, *TG.Layout(x[None], y[None], dtype, False)
+                                               .b_key(TG.tiles_for(m, n, k, dtype)[1]))
+                        for x, y in sets}
+                fns["checked, weight kept"] = lambda x, y: checked_gemm(x, y, b_stats=kept[id(y)])
             t = {}
             for label, fn in fns.items():
                 it = itertools.cycle(sets)
                 t[label] = timer(lambda: fn(*next(it)))
+            t.setdefault("checked, weight kept", float("nan"))
             del sets
             tflops = 2 * m * k * n / (t["checked"] * 1e-3) / 1e12
             label = f"{kind} {m0}x{k0}x{n0}" if kind == "linear" else f"{m}x{k}x{n}"
             print(f"| {label} | {gemm} {m}x{k}x{n} | {t['torch']:.3f} | {t['unchecked']:.3f} | "
-                  f"{t['checked']:.3f} | {t['checked'] / t['unchecked']:.3f} | "
+                  f"{t['checked']:.3f} | {t['checked, weight kept']:.3f} | "
+                  f"{t['checked'] / t['unchecked']:.3f} | "
                   f"{t['unchecked'] / t['torch']:.3f} | {t['checked'] / t['torch']:.3f} | "
                   f"{tflops:.1f} | {err:.2f} | {alarms} |", flush=True)
     return 0
 
 
+def static_bench(args):
+    """``--static``: bad input gets one line naming the option and exit 2, before any compile."""
+    import os
+    import sys
+    from abft.eval import static
+    if args.arch not in tuple(str(a) for a in static.ARCHS):
+        print(f"abft bench: --arch must be one of {', '.join(str(a) for a in static.ARCHS)}, "
+              f"got {args.arch!r}", file=sys.stderr)
+        return 2
+    try:
+        os.makedirs(args.out, exist_ok=True)
+        probe = os.path.join(args.out, ".write-test")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        print(f"abft bench: --out {args.out!r} is not writable ({e.strerror or e})", file=sys.stderr)
+        return 2
+    if os.environ.get("TRITON_INTERPRET", "") not in ("", "0"):
+        # an interpreted kernel cannot be compiled: run once more without the interpreter
+        import subprocess
+        env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        return subprocess.run([sys.executable, "-m", "abft.cli", "bench", "--static", "--arch",
+                               args.arch, "--out", args.out], env=env).returncode
+    static.run(args.out, int(args.arch))
+    return 0
+
+
 def main(args):
+    if args.static:
+        return static_bench(args)
     if args.device.startswith("cuda"):
         return kernel_bench(args)
     dtype = getattr(torch, args.dtype)

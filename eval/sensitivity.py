@@ -2,7 +2,8 @@
 
     TRITON_INTERPRET=1 python -m abft.eval.sensitivity [--k 256 4096] [--trials 20]
 
-Per case (backend, dtype, distribution of the stress set, K; M = N = 64, tiles 32 x 32, seed 0):
+Per case (backend, dtype, distribution of the stress set, K; M = N = 64, seed 0; the reference's
+tiles 32 x 32, the kernel's 64 x 64, its sums over its data tiles):
 - S: the threshold over the checksum's actual round-off, 1 / RMS(residual / threshold) over every
   row and column sum of the clean product (a model exactly as large as the round-off's standard
   deviation would give LAMBDA = 6; V-ABFT reports 7-20 for fp32);
@@ -41,6 +42,7 @@ def _alarmed(v):
 
 class _Reference:
     name = "reference"
+    bm = bn = 32
 
     def __init__(self, a, b):
         self.a, self.b = a, b
@@ -61,18 +63,21 @@ class _Reference:
 class _Kernel:
     name = "triton"
 
+    tiles = (64, 64)        # the kernel's; its sums run over its data tiles (``data_tiles``)
+
     def __init__(self, a, b):
         from abft.kernels import triton_gemm as TG
         self.tg, self.a, self.b = TG, a, b
-        self.c, _, _ = TG.checked_gemm(a, b, tiles=(32, 32))
+        self.c, _, _ = TG.checked_gemm(a, b, tiles=self.tiles)
+        self.bm, self.bn = TG.data_tiles(a, b, self.tiles)
 
     def sums(self):
-        return self.tg.checked_gemm(self.a, self.b, tiles=(32, 32), return_sums=True)[3]
+        return self.tg.checked_gemm(self.a, self.b, tiles=self.tiles, return_sums=True)[3]
 
     def detects(self, i, j, e, g):
         steps = max(1, -(-self.a.shape[-1] // 32))
         ks = int(torch.randint(0, steps, (1,), generator=g))
-        _, v, _ = self.tg.checked_gemm(self.a, self.b, tiles=(32, 32),
+        _, v, _ = self.tg.checked_gemm(self.a, self.b, tiles=self.tiles,
                                        inject=dict(kind="add", row=i, col=j, k_step=ks, value=e))
         return _alarmed(v)
 
@@ -98,7 +103,7 @@ def case(backend, dtype, dist, k, trials=20, seed=0, m=64, n=64):
     sums = run.sums()
     r = _ratios(sums)
     rms_c = run.c.double().square().mean().sqrt().item()
-    e95 = _e95(sums, m, n)
+    e95 = _e95(sums, m, n, run.bm, run.bn)
     g = torch.Generator().manual_seed(seed + 7)
     hits = 0
     for _ in range(trials):

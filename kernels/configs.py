@@ -16,9 +16,11 @@ def interpreting():
 def tile(m, n, k, dtype):
     """(BM, BN): 128 x 128 for large products (the usual tensor-core tile; 64 x 64 halves the
     check's relative cost per tile only at the price of more tiles), 64 x 64 when either side is
-    small, 32 x 32 under the interpreter (its cost grows with the tile's area)."""
+    small or under the interpreter (its cost grows with the number of tiles more than with their
+    size). A checked tile holds a few checksum rows and columns besides its data
+    (``triton_gemm.Layout``)."""
     if interpreting():
-        return 32, 32
+        return 64, 64
     if m < 128 or n < 128:
         return 64, 64
     return 128, 128

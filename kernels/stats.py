@@ -81,7 +81,7 @@ def exponents(amax: torch.Tensor) -> torch.Tensor:
     An opaque op: inductor's CPU code cannot vectorise frexp's int32 exponent into float64."""
     ok = torch.isfinite(amax) & (amax > 0)
     _, e = torch.frexp(torch.where(ok, amax, torch.ones_like(amax)))
-    return e.to(torch.float64).clamp(-_EXP_LIMIT, _EXP_LIMIT)
+    return torch.where(ok, e.to(torch.float64), 0.0).clamp(-_EXP_LIMIT, _EXP_LIMIT)
 
 
 @exponents.register_fake

@@ -15,8 +15,11 @@ collects the round-off of
    that nearly repeat, a shared large component) round the same way, and their errors add up;
 3. tf32 rounding of the inputs: variance (2/3) u_tf^2 Q;
 4. the check's own arithmetic in its unit u_chk (the reference: float64; the kernel: float32): the
-   predicted dot product (the same model, magnitude Qs = sum_k s_k^2 y_kj^2), the sum of the bs
-   values of C, and the sums s_k;
+   predicted dot product (the same model, magnitude Qs = sum_k s_k^2 y_kj^2; with a directed
+   allowance when it runs on the tensor cores), the sum of the bs values of C, and the sums s_k
+   (and eta, the error of their split into parts the tensor cores multiply, variance
+   eta^2/3 sum_k y_kj^2: 2^eta_log2 in the block's scaled units, or in natural units when
+   ``eta_absolute``, then 2^(eta_log2 - E));
 5. underflow, bounded deterministically: eta_acc per product term (half the smallest fp32 subnormal,
    or the smallest normal where products are flushed to zero), eta_out per stored element, and
    subnormal inputs flushed to zero (bf16 on CPUs).
@@ -129,6 +132,9 @@ class Coefficients:
     bias: float         # allowance per |pred|
     lowent: float       # allowance per sum |C| where the data is low-entropy
     directed: float     # allowance per (|pred|/2 + sqrt(Q/3)) for directed rounding
+    directed_chk: float  # the same for the predicted dot product, per (|pred|/2 + sqrt(Qs/3))
+    eta_log2: float     # the checksums' split error: log2 of eta (-1000: none)
+    eta_absolute: float  # 1: eta is in natural units (scaled by 2^-E per block), 0: scaled units
     out: float          # per sum |C|: u_out / (1 - u_out), the rounding bound relative to the stored value
     out_add: float      # allowance per sum |addend| when beta * addend is rounded on its own
     eta_acc: float      # underflow per product term (times bs K)
@@ -141,7 +147,7 @@ class Coefficients:
     cap: bool           # K <= SMALL_K: cap by the worst case
 
 
-def coefficients(u, *, k, bs, acc, chk=None, lam=None, scaled_addend=False):
+def coefficients(u, *, k, bs, acc, chk=None, lam=None, scaled_addend=False, split=(-1000.0, False)):
     """Coefficients of the thresholds of sums of ``bs`` elements of a length-``k`` product.
 
     Args:
@@ -151,6 +157,8 @@ def coefficients(u, *, k, bs, acc, chk=None, lam=None, scaled_addend=False):
         lam: the multiplier (None: LAMBDA).
         scaled_addend: beta * addend is formed in the output dtype (torch's half-precision addmm
             rounds beta to the dtype and the product once more: two roundings with one sign).
+        split: (log2 of eta, absolute): the error of a checksum s_k as the check multiplies it
+            (the fused kernel's parts, ``prepass.split_error``); (-1000, False): none.
     """
     k = max(int(k), 0)
     kk = max(k, 1)
@@ -170,6 +178,8 @@ def coefficients(u, *, k, bs, acc, chk=None, lam=None, scaled_addend=False):
         bias=2 * math.sqrt(n + m - 1) * u.acc + 2 * math.sqrt(nc + mc - 1) * u.chk + 2 * u.tf,
         lowent=(n + m) / 2 * u.acc + (nc + mc) / 2 * u.chk + bs * u.chk,
         directed=2 * u.acc * n if acc.directed else 0.0,
+        directed_chk=2 * u.chk * nc if chk.directed else 0.0,
+        eta_log2=float(split[0]), eta_absolute=1.0 if split[1] else 0.0,
         out=gamma(1, u.out), out_add=2 * u.out if scaled_addend else 0.0, eta_acc=u.eta_acc, eta_out=u.eta_out, ftz=u.ftz,
         w_t=gamma(n + m - 1, unit_w) + gamma(k, u.chk) + gamma(bs, u.chk) + 2 * u.tf,
         w_sa=gamma(1, u.out) + gamma(bs, u.chk), w_da=u.acc + gamma(bs, u.chk),
@@ -211,8 +221,11 @@ def threshold(c, *, s1, s2, sa, pred, x1, xinf, xs1, xsinf, y1, yinf, nu, low, e
     big = torch.finfo(s1.dtype).max
     check = c.c_p2 * torch.clamp(pred * pred, max=big) + c.c_qs * qs \
         + c.c_s12 * torch.clamp(s1 * s1, max=big) + c.c_s2 * s2 + c.c_q * q
+    eta = torch.exp2(torch.clamp(c.eta_log2 - c.eta_absolute * ex, min=-1000.0))
+    check = check + eta * eta / 3 * y1
     thr = c.lam * torch.sqrt(nu * prod + check) + c.bias * pred.abs()
     thr = thr + c.directed * (0.5 * pred.abs() + torch.sqrt(q / 3))
+    thr = thr + c.directed_chk * (0.5 * pred.abs() + torch.sqrt(qs / 3))
     thr = thr + torch.where(low, c.lowent * sa, torch.zeros_like(sa))
     thr = thr + c.out * sa
     if c.out_add and da is not None:
@@ -246,7 +259,8 @@ except ImportError:             # the reference backend needs no triton
     triton = None
 
 COEF_FIELDS = ("lam", "k", "bs", "p_s2", "p_q", "c_p2", "c_qs", "c_s12", "c_s2", "c_q", "bias",
-               "lowent", "directed", "eta_acc", "ftz", "w_t", "w_sa", "w_scale")
+               "lowent", "directed", "eta_acc", "ftz", "w_t", "w_sa", "w_scale", "directed_chk",
+               "eta_log2", "eta_absolute")
 
 
 def pack(*coefs, device=None):
@@ -293,14 +307,21 @@ if triton is not None:
         w_t = tl.load(coef_ptr + 15)
         w_sa = tl.load(coef_ptr + 16)
         w_scale = tl.load(coef_ptr + 17)
-        q = holder_tl(x1, xinf, y1, yinf)
-        qs = holder_tl(xs1, xsinf, y1, yinf)
+        directed_chk = tl.load(coef_ptr + 18)
+        eta_log2 = tl.load(coef_ptr + 19)
+        eta_absolute = tl.load(coef_ptr + 20)
+        # holder_tl, inline (a nested call costs milliseconds under the interpreter)
+        q = tl.minimum(x1 * yinf, xinf * y1)
+        qs = tl.minimum(xs1 * yinf, xsinf * y1)
         prod = p_s2 * s2 + p_q * q
         # a corrupted sum may overflow its square: clamped, a huge error stays an alarm
         check = c_p2 * tl.minimum(pred * pred, _BIG) + c_qs * qs + c_s12 * tl.minimum(s1 * s1, _BIG) \
             + c_s2 * s2 + c_q * q
+        eta = pow2_tl(eta_log2 - eta_absolute * ex)       # clamped below at 2^-126: its square is 0
+        check += eta * eta / 3 * y1
         thr = lam * tl.sqrt(nu * prod + check) + bias * tl.abs(pred)
         thr = thr + directed * (0.5 * tl.abs(pred) + tl.sqrt(q / 3))
+        thr = thr + directed_chk * (0.5 * tl.abs(pred) + tl.sqrt(qs / 3))
         thr = thr + tl.where(low, lowent * sa, 0.0)
         uf = (bs * k * eta_acc) * pow2_tl(-(ex + ey))
         uf += ftz * (bs * pow2_tl(-ex) * tl.sqrt(k * y1) + pow2_tl(-ey) * tl.sqrt(bs * k * x1))

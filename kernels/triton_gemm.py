@@ -1,49 +1,58 @@
 """The fused checked GEMM: C = alpha * A.B + beta * D, with Huang-Abraham checks of A.B's fp32
 accumulator before it is rounded.
 
-Design (per output tile of BM x BN, per K step of BK):
-- before the launch, the operand statistics of ``abft.kernels.stats`` (one pass over A and one
-  over B, or the weight's kept statistics): per row and per block of rows the scale exponents,
-  the norms the threshold's magnitude bound is built from, the repeated-row multiplicity and the
-  low-entropy flags. The reference backend builds its thresholds from the same statistics;
-- the K loop: ``acc += tl.dot(a, b)`` (fp32 accumulation; tf32 for fp32 inputs only when the
-  user's torch setting allows it), and the predicted sums from the tiles already in registers:
-  column sums ``pc += sum_k (sum_i a_ik) b_kj`` and row sums ``pr += sum_k a_ik (sum_j b_kj)``;
-  for K <= SMALL_K also the exact sums of |a||b| of the worst-case cap;
-- after the loop, on the accumulator before it is rounded: its column and row sums, sums of
-  squares and of magnitudes, each side scaled by exact powers of two (2^-(E_p + f_j) for the column
-  sums, 2^-(e_i + F_q) for the row sums), the residuals, the thresholds (``threshold.threshold_tl``:
-  ``abft.kernels.threshold``'s model, u_out = 0, so a bf16 GEMM is checked at fp32 resolution), and
-  one verdict record per tile in ``kernels/layout.py``'s format; then the epilogue
-  alpha * acc + beta * D in fp32 (D: linear's bias, addmm's or baddbmm's input, any strides) and one
-  rounding to the output dtype.
+Design: the checksums ride in the tiles, so the K loop is the unchecked GEMM's K loop.
+- A pre-pass (``kernels/prepass.py``, one program per block of DM = BM - RA rows of A, and of
+  DN = BN - RB columns of B) reads the operand and writes, per block, its checksum
+  s_k = sum_i x_ik split into R parts that the tensor cores multiply exactly (3 for bf16, fp16 and
+  tf32, 1 for fp32; fp16's scaled by 2^-E into its range), and the statistics the threshold is built from (row exponents,
+  norms, multiplicities, low-entropy flags: ``stats.operand_stats``'s quantities). A weight's
+  pre-pass is kept between optimizer steps (``abft/weightcache.py``).
+- The main kernel's A tile is DM data rows and RA checksum rows; its B tile DN data columns and
+  RB checksum columns (R, or a vector's width where the operand is contiguous along that side,
+  the extra rows zero: ``Layout``). The K loop loads the tiles and calls ``tl.dot``: nothing on
+  the CUDA cores. After it, the accumulator holds C's DM x DN block, the predicted column sums in
+  rows DM.. (sum_k s_k b_kj, per part) and the predicted row sums in columns DN...
+- The epilogue, once per tile, on the fp32 accumulator before rounding: the data's row and column
+  sums (and sums of squares and magnitudes) in power-of-two scaled units, the residuals against
+  the predictions, the thresholds (``threshold.threshold_tl``: the model of
+  ``abft.kernels.threshold`` with u_out = 0, so a bf16 GEMM is checked at fp32 resolution; the
+  prediction is accumulated like the product, ``accumulation``), one verdict record per tile in
+  ``kernels/layout.py``'s format; then alpha * acc + beta * D in fp32 and one rounding.
 
-Cost per K step beside the BM.BN.BK multiply-adds of the dot: the predictions take BK (BM + BN)
-multiply-adds on CUDA cores: 2 (1/BM + 1/BN) of the dot's work at CUDA-core speed. The magnitudes
-cost nothing in the loop: they come from the statistics, O(MK + KN) once per call. Bytes: the
-statistics pass reads A and B once more (a kept weight's, not at all) and writes O(M + N) floats;
-the kernel writes BM + BN + 9 floats per tile. Not measured on a GPU yet: no device was lent to the
-sessions that wrote it.
+Cost, against an unchecked GEMM of BM x BN tiles (``abft bench --static`` compiles and counts):
+- FLOPs: a checked tile computes (BM - RA)(BN - RB) elements of C for BM.BN.K multiply-adds:
+  about RA/BM + RB/BN more tensor-core work (4.7% at 128 x 128 with 3 parts a side, 12.5% with
+  8 and 8), plus the last tile row and column of a size that is no longer a multiple of the tile.
+- Bytes: the pre-pass reads its operand once (fp16: twice, to scale its parts into fp16's range)
+  and writes R/DM of it (the parts) and 16 bytes per row; the
+  main kernel reads the parts with the tiles, writes 4 BN floats of scratch per tile (the column
+  sums come back through L2 in a compact layout: no register spills), the verdict and the ratios.
+  A kept weight costs nothing per call. At H200's 989 TFLOP/s over 4.8 TB/s, one more read of a
+  K x 4096 bf16 activation is 5% of a 4096-wide GEMM's time.
+- Not measured on a GPU yet: no device was lent to the sessions that wrote it.
 
 The round-off model of the accumulation: under the interpreter, numpy adds a BK-term product to the
 accumulator once per K step (``threshold.blocked(K, BK)``); on tensor cores, the accumulator takes
 one rounding per MMA of 8 or 16 products, toward zero (``blocked(K, 8, directed=True)``); fp32
-without tf32 is an FMA chain (``recursive(K)``).
+without tf32 is an FMA chain (``recursive(K)``). The predictions go through the same dot.
 
 tf32: a tf32 MMA fed raw fp32 operands (Triton's tl.dot) drops their 13 low mantissa bits, a
 relative change in (-2^-10, 0] per input: the threshold adds the random part (variance (2/3) u_tf^2
-per product, u_tf = 2^-11) and the bias, 2 u_tf |predicted sum|. The tests emulate both chopping
-and rounding in the kernel on the CPU (``tf32=``).
+per product, u_tf = 2^-11) and the bias, 2 u_tf |predicted sum|. The checksum parts are tf32
+numbers, so the tf32 rounding of A is the one the check sees. The tests emulate both chopping and
+rounding in the kernel on the CPU (``tf32=``).
 
 In-kernel fault injection (constexpr INJECT: 1 bit flip, 2 add a value, 3 zero) corrupts one
 accumulator element after a chosen K step; with INJECT = 0 it is compiled out. CHECK = False
-compiles the checks out (same kernel, for the overhead measurement).
+compiles the checks out, and the checksum rows with them (same kernel, for the overhead
+measurement).
 
 Launch: on a GPU the autotuner picks BK, warps and stages from ``kernels/configs.py`` per
 (M, N, K) and kernel variant; the first call of a shape benchmarks (and synchronises), later ones
-do not, so warm up before capturing a CUDA graph. The launch is registered with ``triton_op``
-and ``wrap_triton``: torch.compile traces the kernel itself. Under the interpreter it is an
-opaque custom op (wrap_triton cannot trace an interpreted kernel).
+do not, so warm up before capturing a CUDA graph. The launches are registered with ``triton_op``
+and ``wrap_triton``: torch.compile traces the kernels themselves. Under the interpreter they are
+opaque custom ops (wrap_triton cannot trace an interpreted kernel).
 """
 from typing import List, Optional, Tuple
 
@@ -54,19 +63,14 @@ from torch.library import custom_op, triton_op, wrap_triton
 
 from abft.kernels import configs as _configs
 from abft.kernels import layout as L
-from abft.kernels import stats as S
+from abft.kernels import prepass as _prepass
 from abft.kernels import threshold as T
 from abft.kernels.threshold import pow2_tl, threshold_tl
 
 INJECT_KINDS = {"bitflip": 1, "add": 2, "zero": 3}
-# per-row statistics (..., R, ROW_FIELDS) and per-block (..., T, BLOCK_FIELDS), float32
-ROW_E, ROW_R1, ROW_RINF, ROW_LOW = range(4)
-ROW_FIELDS = 4
-BLK_E, BLK_X1, BLK_XINF, BLK_XS1, BLK_XSINF, BLK_NU, BLK_LOW, BLK_FINITE = range(8)
-BLOCK_FIELDS = 8
 
-# the constants the kernel reads: the layout's fields and status codes, the statistics' fields,
-# the coefficients' width (taken from their modules, not retyped)
+# the constants the kernel reads: the layout's fields and status codes, the pre-pass's statistics
+# fields, the coefficients' width (taken from their modules, not retyped)
 _V = {name: tl.constexpr(getattr(L, name)) for name in
       ("ROW_RATIO", "ROW_FAILS", "ROW", "COL_RATIO", "COL_FAILS", "COL", "RESIDUAL", "THRESHOLD",
        "STATUS", "NFIELDS")}
@@ -74,192 +78,19 @@ _OK, _UNVERIFIED, _NONFINITE = (tl.constexpr(x) for x in (L.OK, L.UNVERIFIED, L.
 _F_ROW_RATIO, _F_ROW_FAILS, _F_ROW, _F_COL_RATIO, _F_COL_FAILS, _F_COL, _F_RES, _F_THR, _F_STATUS, \
     _NFIELDS = (_V[k] for k in ("ROW_RATIO", "ROW_FAILS", "ROW", "COL_RATIO", "COL_FAILS", "COL",
                                 "RESIDUAL", "THRESHOLD", "STATUS", "NFIELDS"))
-_RF, _BF, _NCOEF = tl.constexpr(ROW_FIELDS), tl.constexpr(BLOCK_FIELDS), tl.constexpr(len(T.COEF_FIELDS))
-_RE, _RR1, _RRINF, _RLOW = (tl.constexpr(x) for x in (ROW_E, ROW_R1, ROW_RINF, ROW_LOW))
-_BE, _BX1, _BXINF, _BXS1, _BXSINF, _BNU, _BLOW, _BFIN = (tl.constexpr(x) for x in (
-    BLK_E, BLK_X1, BLK_XINF, BLK_XS1, BLK_XSINF, BLK_NU, BLK_LOW, BLK_FINITE))
+_NCOEF = tl.constexpr(len(T.COEF_FIELDS))
+_RF, _BF = tl.constexpr(_prepass.ROW_FIELDS), tl.constexpr(_prepass.BLOCK_FIELDS)
+_RE, _RR1, _RRINF, _RLOW = (tl.constexpr(getattr(_prepass, f)) for f in (
+    "ROW_E", "ROW_R1", "ROW_RINF", "ROW_LOW"))
+_BE, _BX1, _BXINF, _BXS1, _BXSINF, _BNU, _BLOW, _BFIN = (tl.constexpr(getattr(_prepass, f)) for f in (
+    "BLK_E", "BLK_X1", "BLK_XINF", "BLK_XS1", "BLK_XSINF", "BLK_NU", "BLK_LOW", "BLK_FINITE"))
 
 
 @triton.jit
-def _checked_gemm_kernel(
-    # operands, output, addend (bias: strides 0, 0, 1)
-    a_ptr, b_ptr, c_ptr, d_ptr,
-    # verdict (B, TM, TN, 9), row ratios (B, M, TN), column ratios (B, TM, N); with SUMS, the
-    # residual and threshold of every row sum (B, M, TN, 2) and column sum (B, TM, N, 2)
-    v_ptr, rr_ptr, rc_ptr, sr_ptr, sc_ptr,
-    # statistics: rows of A (B, M, 4), blocks of A (B, TM, 8), columns of B (B, N, 4), blocks of B
-    # (B, TN, 8); threshold coefficients (2, len(COEF_FIELDS)): column sums, row sums
-    ar_ptr, ab_ptr, br_ptr, bb_ptr, coef_ptr,
-    # sizes
-    M, N, K, TM, TN,
-    # strides
-    stride_ab, stride_am, stride_ak,
-    stride_bb, stride_bk, stride_bn,
-    stride_cb, stride_cm, stride_cn,
-    stride_db, stride_dm, stride_dn,
-    stride_arb, stride_abb, stride_brb, stride_bbb,
-    # epilogue: out = alpha * acc + beta * addend
-    alpha, beta,
-    # fault injection: batch, row, column, K step, bit, value
-    inj_b, inj_m, inj_n, inj_k, inj_bit, inj_val,
-    # meta-parameters
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    HAS_ADD: tl.constexpr, SCALED: tl.constexpr, CHECK: tl.constexpr, INJECT: tl.constexpr,
-    DOT_FP32: tl.constexpr, ALLOW_TF32: tl.constexpr, TF32_EMU: tl.constexpr, CAP: tl.constexpr,
-    SUMS: tl.constexpr, ROUND_OUT: tl.constexpr,
-):
-    pid = tl.program_id(0).to(tl.int64)
-    pid_b = tl.program_id(1).to(tl.int64)
-    pid_m = pid // TN
-    pid_n = pid % TN
-    rm = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    rn = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    rk = tl.arange(0, BLOCK_K)
-    m_ok = rm < M
-    n_ok = rn < N
-    a_base = a_ptr + pid_b * stride_ab
-    b_base = b_ptr + pid_b * stride_bb
-
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    pc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    pr = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    tc = tl.zeros((BLOCK_N,), dtype=tl.float32)
-    tr = tl.zeros((BLOCK_M,), dtype=tl.float32)
-    for ks in range(0, tl.cdiv(K, BLOCK_K)):
-        kk = ks * BLOCK_K + rk
-        k_ok = kk < K
-        a = tl.load(a_base + rm[:, None] * stride_am + kk[None, :] * stride_ak,
-                    mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_base + kk[:, None] * stride_bk + rn[None, :] * stride_bn,
-                    mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if DOT_FP32:
-            # the interpreter's bf16 tl.dot is wrong; bf16 products are exact in fp32
-            acc += tl.dot(a.to(tl.float32), b.to(tl.float32), allow_tf32=False)
-        elif TF32_EMU != 0:
-            # tf32 inputs emulated for the tests: 1 chops the 13 low mantissa bits (what a tf32
-            # MMA does with raw fp32 operands), 2 rounds them to nearest (cvt.rna); the checks
-            # below still predict from the unrounded tiles, as on the GPU
-            ai = a.to(tl.int32, bitcast=True)
-            bi = b.to(tl.int32, bitcast=True)
-            if TF32_EMU == 2:
-                ai += 4096
-                bi += 4096
-            at = (ai & -8192).to(tl.float32, bitcast=True)
-            bt = (bi & -8192).to(tl.float32, bitcast=True)
-            acc += tl.dot(at, bt, allow_tf32=False)
-        else:
-            acc += tl.dot(a, b, allow_tf32=ALLOW_TF32)
-        if CHECK:
-            af = a.to(tl.float32)
-            bf = b.to(tl.float32)
-            pc += tl.sum(tl.sum(af, 0)[:, None] * bf, 0)
-            pr += tl.sum(af * tl.sum(bf, 1)[None, :], 1)
-            if CAP:
-                tc += tl.sum(tl.sum(tl.abs(af), 0)[:, None] * tl.abs(bf), 0)
-                tr += tl.sum(tl.abs(af) * tl.sum(tl.abs(bf), 1)[None, :], 1)
-        if INJECT != 0:
-            hit = (rm[:, None] == inj_m) & (rn[None, :] == inj_n) & (pid_b == inj_b) & (ks == inj_k)
-            if INJECT == 1:
-                flipped = (acc.to(tl.int32, bitcast=True) ^ (1 << inj_bit)).to(tl.float32, bitcast=True)
-                acc = tl.where(hit, flipped, acc)
-            elif INJECT == 2:
-                acc = tl.where(hit, acc + inj_val, acc)
-            else:
-                acc = tl.where(hit, 0.0, acc)
-
-    if CHECK:
-        # statistics of this tile's rows of A and columns of B, and of their blocks
-        ar = ar_ptr + pid_b * stride_arb + rm * _RF
-        br = br_ptr + pid_b * stride_brb + rn * _RF
-        ab = ab_ptr + pid_b * stride_abb + pid_m * _BF
-        bb = bb_ptr + pid_b * stride_bbb + pid_n * _BF
-        e_i = tl.load(ar + _RE, mask=m_ok, other=0.0)
-        r1_i = tl.load(ar + _RR1, mask=m_ok, other=1.0)
-        rinf_i = tl.load(ar + _RRINF, mask=m_ok, other=1.0)
-        low_i = tl.load(ar + _RLOW, mask=m_ok, other=0.0) > 0
-        f_j = tl.load(br + _RE, mask=n_ok, other=0.0)
-        r1_j = tl.load(br + _RR1, mask=n_ok, other=1.0)
-        rinf_j = tl.load(br + _RRINF, mask=n_ok, other=1.0)
-        low_j = tl.load(br + _RLOW, mask=n_ok, other=0.0) > 0
-        e_p = tl.load(ab + _BE)
-        f_q = tl.load(bb + _BE)
-        # scale each side's sums by 2^-(block exponent + row or column exponent), exactly
-        col_scale = pow2_tl(-(e_p + f_j))
-        row_scale = pow2_tl(-(e_i + f_q))
-        big = 3.4028234663852886e38
-        zc = acc * col_scale[None, :]
-        zr = acc * row_scale[:, None]
-        s1_c = tl.sum(zc, 0)
-        s1_r = tl.sum(zr, 1)
-        # squares of a corrupted accumulator may overflow; clamped, a huge error stays an alarm
-        s2_c = tl.minimum(tl.sum(zc * zc, 0), big)
-        s2_r = tl.minimum(tl.sum(zr * zr, 1), big)
-        p_c = pc * col_scale
-        p_r = pr * row_scale
-        thr_c = threshold_tl(coef_ptr, s1_c, s2_c, tl.sum(tl.abs(zc), 0), p_c,
-                             tl.load(ab + _BX1), tl.load(ab + _BXINF), tl.load(ab + _BXS1),
-                             tl.load(ab + _BXSINF), r1_j, rinf_j, tl.load(ab + _BNU),
-                             tl.where(low_j, tl.load(ab + _BLOW), 0.0) > 0, e_p, f_j,
-                             tc * col_scale, CAP)
-        thr_r = threshold_tl(coef_ptr + _NCOEF, s1_r, s2_r, tl.sum(tl.abs(zr), 1), p_r,
-                             tl.load(bb + _BX1), tl.load(bb + _BXINF), tl.load(bb + _BXS1),
-                             tl.load(bb + _BXSINF), r1_i, rinf_i, tl.load(bb + _BNU),
-                             tl.where(low_i, tl.load(bb + _BLOW), 0.0) > 0, f_q, e_i,
-                             tr * row_scale, CAP)
-        res_c = s1_c - p_c
-        res_r = s1_r - p_r
-        # status: inputs finite (statistics), accumulator finite, thresholds finite; a
-        # non-finite accumulator from finite inputs is an alarm unless the product may overflow
-        inputs_ok = (tl.load(ab + _BFIN) > 0) & (tl.load(bb + _BFIN) > 0)
-        acc_ok = tl.sum(tl.abs(s1_c), 0) < float("inf")
-        thr_ok = (tl.sum(thr_c, 0) + tl.sum(thr_r, 0)) < float("inf")
-        norm_a = tl.max(tl.where(m_ok, tl.sqrt(r1_i) * pow2_tl(e_i), 0.0), 0)
-        norm_b = tl.max(tl.where(n_ok, tl.sqrt(r1_j) * pow2_tl(f_j), 0.0), 0)
-        may_overflow = norm_a * norm_b >= big
-        status = tl.where(inputs_ok & thr_ok & acc_ok, _OK, _UNVERIFIED)
-        status = tl.where(inputs_ok & (acc_ok == 0) & (may_overflow == 0), _NONFINITE, status)
-        unverified = status == _UNVERIFIED
-        rat_c = tl.where(unverified, 0.0, tl.where(n_ok, res_c / thr_c, 0.0))
-        rat_r = tl.where(unverified, 0.0, tl.where(m_ok, res_r / thr_r, 0.0))
-        rat_c = tl.where(rat_c == rat_c, rat_c, float("inf"))          # NaN -> failing
-        rat_r = tl.where(rat_r == rat_r, rat_r, float("inf"))
-        mag_c = tl.abs(rat_c)
-        mag_r = tl.abs(rat_r)
-        cw = tl.max(mag_c, 0)
-        rw = tl.max(mag_r, 0)
-        ci = tl.argmax(mag_c, 0)
-        ri = tl.argmax(mag_r, 0)
-        cf = tl.sum((mag_c > 1).to(tl.float32), 0)
-        rf = tl.sum((mag_r > 1).to(tl.float32), 0)
-        col_at = tl.where(cf > 0, (pid_n * BLOCK_N + ci).to(tl.float32), -1.0)
-        row_at = tl.where(rf > 0, (pid_m * BLOCK_M + ri).to(tl.float32), -1.0)
-        # residuals and thresholds in C's units: undo the scaling, apply alpha
-        unit_c = pow2_tl(e_p) * pow2_tl(f_j) * tl.abs(alpha)
-        unit_r = pow2_tl(e_i) * pow2_tl(f_q) * tl.abs(alpha)
-        sgn = tl.where(alpha < 0, -1.0, 1.0)
-        sel_c = tl.arange(0, BLOCK_N) == ci
-        sel_r = tl.arange(0, BLOCK_M) == ri
-        res_w = tl.where(cf > 0, tl.sum(tl.where(sel_c, res_c * unit_c, 0.0), 0),
-                         tl.sum(tl.where(sel_r, res_r * unit_r, 0.0), 0)) * sgn
-        thr_w = tl.where(cf > 0, tl.sum(tl.where(sel_c, thr_c * unit_c, 0.0), 0),
-                         tl.sum(tl.where(sel_r, thr_r * unit_r, 0.0), 0))
-        f = tl.arange(0, 16)
-        rec = tl.where(f == _F_ROW_RATIO, rw, tl.where(f == _F_ROW_FAILS, rf, tl.where(
-            f == _F_ROW, row_at, tl.where(f == _F_COL_RATIO, cw, tl.where(
-                f == _F_COL_FAILS, cf, tl.where(f == _F_COL, col_at, tl.where(
-                    f == _F_RES, res_w, tl.where(f == _F_THR, thr_w, status))))))))
-        v_off = ((pid_b * TM + pid_m) * TN + pid_n) * _NFIELDS
-        tl.store(v_ptr + v_off + f, rec, mask=f < _NFIELDS)
-        tl.store(rr_ptr + (pid_b * M + rm) * TN + pid_n, rat_r, mask=m_ok)
-        tl.store(rc_ptr + (pid_b * TM + pid_m) * N + rn, rat_c, mask=n_ok)
-        if SUMS:
-            o_r = ((pid_b * M + rm) * TN + pid_n) * 2
-            o_c = ((pid_b * TM + pid_m) * N + rn) * 2
-            tl.store(sr_ptr + o_r, res_r * unit_r * sgn, mask=m_ok)
-            tl.store(sr_ptr + o_r + 1, thr_r * unit_r, mask=m_ok)
-            tl.store(sc_ptr + o_c, res_c * unit_c * sgn, mask=n_ok)
-            tl.store(sc_ptr + o_c + 1, thr_c * unit_c, mask=n_ok)
-
+def _store_out(acc, c_ptr, d_ptr, pid_b, rm, rn, m_ok, n_ok, alpha, beta,
+               stride_cb, stride_cm, stride_cn, stride_db, stride_dm, stride_dn,
+               HAS_ADD: tl.constexpr, SCALED: tl.constexpr, ROUND_OUT: tl.constexpr):
+    """The epilogue: alpha * acc + beta * addend in fp32, one rounding to C's dtype."""
     out = acc
     if SCALED:
         out = alpha * out
@@ -277,12 +108,289 @@ def _checked_gemm_kernel(
              out.to(c_ptr.dtype.element_ty), mask=m_ok[:, None] & n_ok[None, :])
 
 
+@triton.jit
+def _checked_gemm_kernel(
+    # operands, output, addend (bias: strides 0, 0, 1)
+    a_ptr, b_ptr, c_ptr, d_ptr,
+    # the pre-pass's checksum parts: of A's blocks of DM rows (B, TM * RA, K), of B's blocks of DN
+    # columns (B, TN * RB, K), any strides; the epilogue's scratch (B * TM * TN, 4, BLOCK_N)
+    pa_ptr, pb_ptr, ws_ptr,
+    # verdict (B, TM, TN, 9), row ratios (B, M, TN), column ratios (B, TM, N); with SUMS, the
+    # residual and threshold of every row sum (B, M, TN, 2) and column sum (B, TM, N, 2)
+    v_ptr, rr_ptr, rc_ptr, sr_ptr, sc_ptr,
+    # statistics: rows of A (B, M, 4), blocks of A (B, TM, 8), columns of B (B, N, 4), blocks of B
+    # (B, TN, 8); threshold coefficients (2, len(COEF_FIELDS)): column sums, row sums
+    ar_ptr, ab_ptr, br_ptr, bb_ptr, coef_ptr,
+    # sizes (TM, TN: tiles of DM x DN data)
+    M, N, K, TM, TN,
+    # strides
+    stride_ab, stride_am, stride_ak,
+    stride_bb, stride_bk, stride_bn,
+    stride_cb, stride_cm, stride_cn,
+    stride_db, stride_dm, stride_dn,
+    stride_pab, stride_par, stride_pak,
+    stride_pbb, stride_pbr, stride_pbk,
+    stride_arb, stride_abb, stride_brb, stride_bbb,
+    # epilogue: out = alpha * acc + beta * addend
+    alpha, beta,
+    # fault injection: batch, row, column, K step, bit, value
+    inj_b, inj_m, inj_n, inj_k, inj_bit, inj_val,
+    # meta-parameters: RA checksum rows and RB checksum columns per tile (0: checks compiled out)
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RA: tl.constexpr,
+    RB: tl.constexpr,
+    GROUP_M: tl.constexpr, A_VEC: tl.constexpr, B_VEC: tl.constexpr, SCALED_PARTS: tl.constexpr,
+    HAS_ADD: tl.constexpr, SCALED: tl.constexpr, CHECK: tl.constexpr, INJECT: tl.constexpr,
+    DOT_FP32: tl.constexpr, ALLOW_TF32: tl.constexpr, TF32_EMU: tl.constexpr, CAP: tl.constexpr,
+    SUMS: tl.constexpr, ROUND_OUT: tl.constexpr,
+):
+    DM: tl.constexpr = BLOCK_M - RA
+    DN: tl.constexpr = BLOCK_N - RB
+    # tiles in groups of GROUP_M tile rows, so that the A and B tiles in flight stay in L2
+    pid = tl.program_id(0)
+    pid_b = tl.program_id(1).to(tl.int64)
+    width = GROUP_M * TN
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(TM - first_m, GROUP_M)
+    pid_m = (first_m + (pid % width) % size_m).to(tl.int64)
+    pid_n = ((pid % width) // size_m).to(tl.int64)
+    i = tl.arange(0, BLOCK_M)
+    j = tl.arange(0, BLOCK_N)
+    rk = tl.arange(0, BLOCK_K)
+    rm = pid_m * DM + i                     # global rows of the data rows i < DM
+    rn = pid_n * DN + j
+    m_ok = (i < DM) & (rm < M)
+    n_ok = (j < DN) & (rn < N)
+    # the A tile: DM data rows, then the R parts of their checksum; the B tile likewise by columns
+    a_ptrs = a_ptr + pid_b * stride_ab + rm[:, None] * stride_am + rk[None, :] * stride_ak
+    b_ptrs = b_ptr + pid_b * stride_bb + rk[:, None] * stride_bk + rn[None, :] * stride_bn
+    a_rows = m_ok
+    b_cols = n_ok
+    a_step = BLOCK_K * stride_ak
+    b_step = BLOCK_K * stride_bk
+    if CHECK:
+        ck_m = i >= DM
+        ck_n = j >= DN
+        pa = pa_ptr + pid_b * stride_pab + (pid_m * RA + i - DM)[:, None] * stride_par \
+            + rk[None, :] * stride_pak
+        pb = pb_ptr + pid_b * stride_pbb + (pid_n * RB + j - DN)[None, :] * stride_pbr \
+            + rk[:, None] * stride_pbk
+        a_ptrs = tl.where(ck_m[:, None], pa, a_ptrs)
+        b_ptrs = tl.where(ck_n[None, :], pb, b_ptrs)
+        a_rows = m_ok | ck_m
+        b_cols = n_ok | ck_n
+        a_step = tl.where(ck_m, BLOCK_K * stride_pak, BLOCK_K * stride_ak)[:, None]
+        b_step = tl.where(ck_n, BLOCK_K * stride_pbk, BLOCK_K * stride_bk)[None, :]
+        # an operand contiguous along the data/checksum boundary: RA (RB) is a vector's width and
+        # the host checked the alignment, so every aligned vector is all data or all checksum
+        if A_VEC > 1:
+            a_rows = tl.max_constancy(a_rows, [A_VEC])
+            a_step = tl.max_constancy(tl.multiple_of(a_step, [A_VEC, 1]), [A_VEC, 1])
+        if B_VEC > 1:
+            b_cols = tl.max_constancy(b_cols, [B_VEC])
+            b_step = tl.max_constancy(tl.multiple_of(b_step, [1, B_VEC]), [1, B_VEC])
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for ks in range(0, tl.cdiv(K, BLOCK_K)):
+        k_ok = rk < K - ks * BLOCK_K
+        a_at = a_ptrs
+        b_at = b_ptrs
+        if A_VEC > 1:
+            a_at = tl.max_contiguous(tl.multiple_of(a_ptrs, [16, 1]), [A_VEC, 1])
+        if B_VEC > 1:
+            b_at = tl.max_contiguous(tl.multiple_of(b_ptrs, [1, 16]), [1, B_VEC])
+        a = tl.load(a_at, mask=a_rows[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_at, mask=k_ok[:, None] & b_cols[None, :], other=0.0)
+        if DOT_FP32:
+            # the interpreter's bf16 tl.dot is wrong; bf16 products are exact in fp32
+            acc += tl.dot(a.to(tl.float32), b.to(tl.float32), allow_tf32=False)
+        elif TF32_EMU != 0:
+            # tf32 inputs emulated for the tests: 1 chops the 13 low mantissa bits (what a tf32
+            # MMA does with raw fp32 operands), 2 rounds them to nearest (cvt.rna); the checksum
+            # parts are tf32 numbers already, so they pass unchanged, as on the GPU
+            ai = a.to(tl.int32, bitcast=True)
+            bi = b.to(tl.int32, bitcast=True)
+            if TF32_EMU == 2:
+                ai += 4096
+                bi += 4096
+            at = (ai & -8192).to(tl.float32, bitcast=True)
+            bt = (bi & -8192).to(tl.float32, bitcast=True)
+            acc += tl.dot(at, bt, allow_tf32=False)
+        else:
+            acc += tl.dot(a, b, allow_tf32=ALLOW_TF32)
+        if INJECT != 0:
+            hit = (rm[:, None] == inj_m) & (rn[None, :] == inj_n) & m_ok[:, None] & n_ok[None, :] \
+                & (pid_b == inj_b) & (ks == inj_k)
+            if INJECT == 1:
+                flipped = (acc.to(tl.int32, bitcast=True) ^ (1 << inj_bit)).to(tl.float32, bitcast=True)
+                acc = tl.where(hit, flipped, acc)
+            elif INJECT == 2:
+                acc = tl.where(hit, acc + inj_val, acc)
+            else:
+                acc = tl.where(hit, 0.0, acc)
+        a_ptrs += a_step
+        b_ptrs += b_step
+
+    if CHECK:
+        # statistics of this tile's rows of A and columns of B, and of their blocks
+        ar = ar_ptr + pid_b * stride_arb + rm * _RF
+        br = br_ptr + pid_b * stride_brb + rn * _RF
+        ck_m = i >= DM
+        ck_n = j >= DN
+        ab = ab_ptr + pid_b * stride_abb + pid_m * _BF
+        bb = bb_ptr + pid_b * stride_bbb + pid_n * _BF
+        e_i = tl.load(ar + _RE, mask=m_ok, other=0.0)
+        r1_i = tl.load(ar + _RR1, mask=m_ok, other=1.0)
+        rinf_i = tl.load(ar + _RRINF, mask=m_ok, other=1.0)
+        low_i = tl.load(ar + _RLOW, mask=m_ok, other=0.0) > 0
+        e_p = tl.load(ab + _BE)
+        f_q = tl.load(bb + _BE)
+        # Every sum in one scale for the tile, s_t = 2^-(E_p + F_q) (a scalar: no per-column vector
+        # lives in the accumulator's layout, at 32 registers per thread each), times its own power
+        # of two 2^-t, undone after the sum, so that the compiler keeps no scaled copy of the
+        # accumulator for all six sums. Each row and column is then brought to its own scale,
+        # 2^-(e_i + F_q) = s_t 2^(E_p - e_i) and 2^-(E_p + f_j) = s_t 2^(F_q - f_j), by exact
+        # powers of two: the same numbers as scaling each element, while E_p + F_q is within
+        # float32's exponents and no row or column is more than 2^60 below its block's largest
+        # (else the tile is left unverified, below). The predictions, the tensor cores' products of
+        # the checksum parts (unscaled; fp16's in units of 2^E_p and 2^F_q), take the same path.
+        big = 3.4028234663852886e38
+        # the data elements (the accumulator is 0 in rows past M and columns past N: loads of 0)
+        d_ok = (i < DM)[:, None] & (j < DN)[None, :]
+        s_t = pow2_tl(-(e_p + f_q))
+        if SCALED_PARTS:
+            pc_unit = pow2_tl(-f_q)
+            pr_unit = pow2_tl(-e_p)
+        else:
+            pc_unit = s_t
+            pr_unit = s_t
+        # the column sums go through the scratch (L2) and come back one column per thread; one
+        # sum at a time (the barriers keep their partial sums from being live together). Squares
+        # of a corrupted accumulator may overflow: clamped, a huge error stays an alarm.
+        ws = ws_ptr + ((pid_b * TM + pid_m) * TN + pid_n) * (4 * BLOCK_N)
+        tl.store(ws + 3 * BLOCK_N + j, tl.sum(tl.where(ck_m[:, None], acc, 0.0), 0) * pc_unit)
+        tl.debug_barrier()
+        tl.store(ws + j, tl.sum(tl.where(d_ok, acc * s_t, 0.0), 0))
+        tl.debug_barrier()
+        z1 = tl.where(d_ok, acc * (s_t * 0.5), 0.0)
+        tl.store(ws + BLOCK_N + j, tl.minimum(tl.sum(z1 * z1, 0), big / 4) * 4)
+        tl.debug_barrier()
+        tl.store(ws + 2 * BLOCK_N + j, tl.sum(tl.where(d_ok, tl.abs(acc) * (s_t * 0.25), 0.0), 0) * 4)
+        tl.debug_barrier()
+        up_r = pow2_tl(e_p - e_i)
+        s1_r = tl.sum(tl.where(d_ok, acc * (s_t * 0.125), 0.0), 1) * 8 * up_r
+        z4 = tl.where(d_ok, acc * (s_t * 0.0625), 0.0)
+        s2_r = tl.minimum(tl.minimum(tl.sum(z4 * z4, 1), big / 256) * 256 * up_r * up_r, big)
+        sa_r = tl.sum(tl.where(d_ok, tl.abs(acc) * (s_t * 0.03125), 0.0), 1) * 32 * up_r
+        p_r = tl.sum(tl.where(ck_n[None, :], acc, 0.0), 1) * pr_unit * up_r
+        jc = tl.arange(0, BLOCK_N)
+        rc_n = pid_n * DN + jc
+        nc_ok = (jc < DN) & (rc_n < N)
+        brc = br_ptr + pid_b * stride_brb + rc_n * _RF
+        f_j = tl.load(brc + _RE, mask=nc_ok, other=0.0)
+        r1_j = tl.load(brc + _RR1, mask=nc_ok, other=1.0)
+        rinf_j = tl.load(brc + _RRINF, mask=nc_ok, other=1.0)
+        low_j = tl.load(brc + _RLOW, mask=nc_ok, other=0.0) > 0
+        up_c = pow2_tl(f_q - f_j)
+        s1_c = tl.load(ws + jc) * up_c
+        s2_c = tl.minimum(tl.load(ws + BLOCK_N + jc) * up_c * up_c, big)
+        sa_c = tl.load(ws + 2 * BLOCK_N + jc) * up_c
+        p_c = tl.load(ws + 3 * BLOCK_N + jc) * up_c
+        # the spread of the rows' and columns' scales (zero rows and columns aside)
+        spread_r = tl.max(tl.where(m_ok & (r1_i > 0), e_p - e_i, 0.0), 0)
+        spread_c = tl.max(tl.where(nc_ok & (r1_j > 0), f_q - f_j, 0.0), 0)
+        scales_ok = (spread_r <= 60) & (spread_c <= 60) & (tl.abs(e_p + f_q) <= 126)
+        tc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        tr = tl.zeros((BLOCK_M,), dtype=tl.float32)
+        if CAP:
+            # K <= SMALL_K: the exact sums of |a||b| of the worst-case cap, after the K loop
+            for ks in range(0, tl.cdiv(K, BLOCK_K)):
+                kk = ks * BLOCK_K + rk
+                k_ok = kk < K
+                af = tl.abs(tl.load(a_ptr + pid_b * stride_ab + rm[:, None] * stride_am
+                                    + kk[None, :] * stride_ak,
+                                    mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32))
+                bf = tl.abs(tl.load(b_ptr + pid_b * stride_bb + kk[:, None] * stride_bk
+                                    + rc_n[None, :] * stride_bn,
+                                    mask=k_ok[:, None] & nc_ok[None, :], other=0.0).to(tl.float32))
+                tc += tl.sum(tl.sum(af, 0)[:, None] * bf, 0)
+                tr += tl.sum(af * tl.sum(bf, 1)[None, :], 1)
+            tc = tc * s_t * up_c
+            tr = tr * s_t * up_r
+        thr_c = threshold_tl(coef_ptr, s1_c, s2_c, sa_c, p_c,
+                             tl.load(ab + _BX1), tl.load(ab + _BXINF), tl.load(ab + _BXS1),
+                             tl.load(ab + _BXSINF), r1_j, rinf_j, tl.load(ab + _BNU),
+                             tl.where(low_j, tl.load(ab + _BLOW), 0.0) > 0, e_p, f_j,
+                             tc, CAP)
+        thr_r = threshold_tl(coef_ptr + _NCOEF, s1_r, s2_r, sa_r, p_r,
+                             tl.load(bb + _BX1), tl.load(bb + _BXINF), tl.load(bb + _BXS1),
+                             tl.load(bb + _BXSINF), r1_i, rinf_i, tl.load(bb + _BNU),
+                             tl.where(low_i, tl.load(bb + _BLOW), 0.0) > 0, f_q, e_i,
+                             tr, CAP)
+        res_c = s1_c - p_c
+        res_r = s1_r - p_r
+        # status: inputs finite (statistics), accumulator finite, thresholds finite; a
+        # non-finite accumulator from finite inputs is an alarm unless the product may overflow
+        inputs_ok = (tl.load(ab + _BFIN) > 0) & (tl.load(bb + _BFIN) > 0)
+        acc_ok = tl.sum(tl.where(nc_ok, tl.abs(s1_c), 0.0), 0) < float("inf")
+        thr_ok = (tl.sum(tl.where(nc_ok, thr_c, 0.0), 0)
+                  + tl.sum(tl.where(m_ok, thr_r, 0.0), 0)) < float("inf")
+        norm_a = tl.max(tl.where(m_ok, tl.sqrt(r1_i) * pow2_tl(e_i), 0.0), 0)
+        norm_b = tl.max(tl.where(nc_ok, tl.sqrt(r1_j) * pow2_tl(f_j), 0.0), 0)
+        may_overflow = norm_a * norm_b >= big
+        status = tl.where(inputs_ok & thr_ok & acc_ok & scales_ok, _OK, _UNVERIFIED)
+        status = tl.where(inputs_ok & (acc_ok == 0) & (may_overflow == 0), _NONFINITE, status)
+        unverified = status == _UNVERIFIED
+        rat_c = tl.where(unverified, 0.0, tl.where(nc_ok, res_c / thr_c, 0.0))
+        rat_r = tl.where(unverified, 0.0, tl.where(m_ok, res_r / thr_r, 0.0))
+        rat_c = tl.where(rat_c == rat_c, rat_c, float("inf"))          # NaN -> failing
+        rat_r = tl.where(rat_r == rat_r, rat_r, float("inf"))
+        mag_c = tl.abs(rat_c)
+        mag_r = tl.abs(rat_r)
+        cw = tl.max(mag_c, 0)
+        rw = tl.max(mag_r, 0)
+        ci = tl.argmax(mag_c, 0)
+        ri = tl.argmax(mag_r, 0)
+        cf = tl.sum((mag_c > 1).to(tl.float32), 0)
+        rf = tl.sum((mag_r > 1).to(tl.float32), 0)
+        col_at = tl.where(cf > 0, (pid_n * DN + ci).to(tl.float32), -1.0)
+        row_at = tl.where(rf > 0, (pid_m * DM + ri).to(tl.float32), -1.0)
+        # residuals and thresholds in C's units: undo the scaling, apply alpha
+        unit_c = tl.abs(alpha) / s_t / up_c
+        unit_r = tl.abs(alpha) / s_t / up_r
+        sgn = tl.where(alpha < 0, -1.0, 1.0)
+        sel_c = jc == ci
+        sel_r = i == ri
+        res_w = tl.where(cf > 0, tl.sum(tl.where(sel_c, res_c * unit_c, 0.0), 0),
+                         tl.sum(tl.where(sel_r, res_r * unit_r, 0.0), 0)) * sgn
+        thr_w = tl.where(cf > 0, tl.sum(tl.where(sel_c, thr_c * unit_c, 0.0), 0),
+                         tl.sum(tl.where(sel_r, thr_r * unit_r, 0.0), 0))
+        f = tl.arange(0, 16)
+        rec = tl.where(f == _F_ROW_RATIO, rw, tl.where(f == _F_ROW_FAILS, rf, tl.where(
+            f == _F_ROW, row_at, tl.where(f == _F_COL_RATIO, cw, tl.where(
+                f == _F_COL_FAILS, cf, tl.where(f == _F_COL, col_at, tl.where(
+                    f == _F_RES, res_w, tl.where(f == _F_THR, thr_w, status))))))))
+        v_off = ((pid_b * TM + pid_m) * TN + pid_n) * _NFIELDS
+        tl.store(v_ptr + v_off + f, rec, mask=f < _NFIELDS)
+        tl.store(rr_ptr + (pid_b * M + rm) * TN + pid_n, rat_r, mask=m_ok)
+        tl.store(rc_ptr + (pid_b * TM + pid_m) * N + rc_n, rat_c, mask=nc_ok)
+        if SUMS:
+            o_r = ((pid_b * M + rm) * TN + pid_n) * 2
+            o_c = ((pid_b * TM + pid_m) * N + rc_n) * 2
+            tl.store(sr_ptr + o_r, res_r * unit_r * sgn, mask=m_ok)
+            tl.store(sr_ptr + o_r + 1, thr_r * unit_r, mask=m_ok)
+            tl.store(sc_ptr + o_c, res_c * unit_c * sgn, mask=nc_ok)
+            tl.store(sc_ptr + o_c + 1, thr_c * unit_c, mask=nc_ok)
+    _store_out(acc, c_ptr, d_ptr, pid_b, rm, rn, m_ok, n_ok, alpha, beta, stride_cb, stride_cm,
+               stride_cn, stride_db, stride_dm, stride_dn, HAS_ADD, SCALED, ROUND_OUT)
+
+
 def _as3(t):
     return t if t.dim() == 3 else t.unsqueeze(0)
 
 
 _TF32_EMU = {"truncate": 1, "nearest": 2}
 _tuned = {}
+GROUP_M = 8
 
 
 def _autotuned(bm, bn, dtype):
@@ -292,21 +400,14 @@ def _autotuned(bm, bn, dtype):
     if key not in _tuned:
         _tuned[key] = triton.autotune(
             configs=_configs.configs(bm, bn, dtype, interpret=False),
-            key=["M", "N", "K", "CHECK", "CAP", "HAS_ADD", "SCALED", "INJECT", "ALLOW_TF32"],
+            key=["M", "N", "K", "RA", "RB", "A_VEC", "B_VEC", "CHECK", "CAP", "HAS_ADD", "SCALED", "INJECT", "ALLOW_TF32"],
         )(_checked_gemm_kernel)
     return _tuned[key]
 
 
-def packed_stats(st):
-    """``stats.OperandStats`` -> (rows (..., R, ROW_FIELDS), blocks (..., T, BLOCK_FIELDS)), float32."""
-    rows = torch.stack([st.e, st.r1, st.rinf, st.low.to(torch.float64)], -1)
-    blocks = torch.stack([st.E, st.x1, st.xinf, st.xs1, st.xsinf, st.nu,
-                          st.block_low().to(torch.float64), st.block_finite().to(torch.float64)], -1)
-    return rows.float(), blocks.float()
-
-
 def accumulation(k, dtype, tf32, bk):
-    """The round-off model of this kernel's accumulation (module docstring)."""
+    """The round-off model of this kernel's accumulation (module docstring): of the product and,
+    the same dot, of the predictions."""
     if _configs.interpreting():
         return T.blocked(k, bk)
     if dtype in (torch.float16, torch.bfloat16) or tf32:
@@ -314,19 +415,69 @@ def accumulation(k, dtype, tf32, bk):
     return T.recursive(k)
 
 
-def _launch_impl(a3: torch.Tensor, b3: torch.Tensor, addend: Optional[torch.Tensor],
-                 ar: torch.Tensor, ab: torch.Tensor, br: torch.Tensor, bb: torch.Tensor,
-                 coef: torch.Tensor,
-                 alpha: float, beta: float, bm: int, bn: int, check: bool, tf32: bool,
-                 tf32_emulation: int, inject_kind: int, inject_at: List[int], inject_value: float,
-                 block_k: int, num_warps: int, num_stages: int, sums: bool,
-                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
-                            torch.Tensor]:
-    """One launch over a (B, M, K) x (B, K, N) batch; block_k = 0 lets the autotuner choose (on a
-    GPU) or takes the factory's one config (under the interpreter)."""
+VECTOR_BYTES = 16       # a vectorised load: 8 bf16/fp16 values, 4 fp32
+
+
+def _vector(t, dim, other, check):
+    """The vector width the kernel may assume along t's ``dim`` (A's rows, B's columns), where that
+    side holds a vector's width of checksum rows: sizes, strides and base in whole vectors."""
+    vec = VECTOR_BYTES // t.element_size()
+    ok = (check and t.data_ptr() % VECTOR_BYTES == 0 and t.shape[dim] % vec == 0
+          and all(t.stride(d) * t.element_size() % VECTOR_BYTES == 0 for d in (0, other)
+                  if t.shape[d] > 1))
+    return vec if ok else 1
+
+
+class Layout:
+    """Where the checksums go in a kernel tile of BM x BN for these operands.
+
+    ``nparts`` parts per checksum (``prepass.parts_for``); RA checksum rows in the A tile and RB
+    columns in the B tile: ``nparts``, or a vector's width where the operand is contiguous along
+    the tile's data/checksum boundary (A along M, B along N), so that no vector straddles it (the
+    extra rows are zero). ``a_k_major``/``b_k_major``: the parts are stored contiguous along K."""
+
+    def __init__(self, a3, b3, dtype, tf32, check=True):
+        self.nparts = _prepass.parts_for(dtype, tf32) if check else 0
+        vec = VECTOR_BYTES // (4 if dtype == torch.float32 else 2)
+        pad = max(self.nparts, vec)
+        self.a_k_major = not (a3.stride(1) == 1 and a3.stride(2) != 1 and a3.shape[1] > 1)
+        self.b_k_major = not (b3.stride(2) == 1 and b3.stride(1) != 1 and b3.shape[2] > 1)
+        self.ra = self.nparts if self.a_k_major or not check else pad
+        self.rb = self.nparts if self.b_k_major or not check else pad
+        self.tf32 = bool(tf32)
+
+    def data_tiles(self, bm, bn):
+        return bm - self.ra, bn - self.rb
+
+    def b_key(self, bn):
+        """What the pre-pass of B's columns depends on beyond B (a weight's cache key)."""
+        return bn - self.rb, self.nparts, self.rb, self.b_k_major, self.tf32
+
+
+def data_tiles(a, b, tiles=None, tf32=None, check=True):
+    """The verdict's tiles (DM, DN) of ``checked_gemm(a, b, tiles=tiles, tf32=tf32)``."""
+    a3, b3 = _as3(a), _as3(b)
+    bm, bn = tiles or _configs.tile(a3.shape[1], b3.shape[2], a3.shape[2], a.dtype)
+    tf, emu = _tf32(a, tf32)
+    return Layout(a3, b3, a.dtype, bool(tf or emu), check).data_tiles(bm, bn)
+
+
+def _tf32(a, tf32):
+    """(tf32 on the GPU, emulation code)."""
+    if tf32 in ("truncate", "nearest"):
+        return False, _TF32_EMU[tf32]
+    return (a.dtype == torch.float32 and a.device.type == "cuda"
+            and (torch.backends.cuda.matmul.allow_tf32 if tf32 is None else bool(tf32))), 0
+
+
+def launch(a3, b3, addend, pa, pb, ar, ab, br, bb, coef, alpha, beta, bm, bn, ra, rb, a_k_major,
+           b_k_major, check, tf32, tf32_emulation, inject_kind, inject_at, inject_value, sums):
+    """The launch's outputs, grid, positional arguments and meta-parameters (without BLOCK_K,
+    warps and stages): what ``_launch_impl`` passes to the kernel and ``abft bench --static``
+    compiles (on "meta" tensors, which allocate nothing)."""
     bt, m, k = a3.shape
     n = b3.shape[2]
-    tm, tn = triton.cdiv(m, bm), triton.cdiv(n, bn)
+    tm, tn = triton.cdiv(m, bm - ra), triton.cdiv(n, bn - rb)
     dev = a3.device
     f32 = dict(dtype=torch.float32, device=dev)
     c = torch.empty(bt, m, n, dtype=a3.dtype, device=dev)
@@ -335,15 +486,52 @@ def _launch_impl(a3: torch.Tensor, b3: torch.Tensor, addend: Optional[torch.Tens
     rc = torch.empty(bt, tm, n, **f32)
     sr = torch.empty(bt, m, tn, 2, **f32) if sums else torch.empty(0, **f32)
     sc = torch.empty(bt, tm, n, 2, **f32) if sums else torch.empty(0, **f32)
-    if bt * tm * tn == 0:
-        return c, verdict, rr, rc, sr, sc
+    ws = torch.empty(bt * tm * tn * 4 * bn if check else 1, **f32)
     # without an addend, a3 stands in for it (never read): no output may alias another argument
     d = addend if addend is not None else a3
-    meta = dict(BLOCK_M=bm, BLOCK_N=bn, HAS_ADD=addend is not None, SCALED=alpha != 1.0,
-                CHECK=check, INJECT=inject_kind,
+    ib, im, jn, ik, ibit = inject_at
+    bstride = lambda t: t.stride(0) if t.shape[0] > 1 else 0
+    args = (a3, b3, c, d, pa, pb, ws,
+            verdict, rr, rc, sr, sc,
+            ar, ab, br, bb, coef,
+            m, n, k, tm, tn,
+            a3.stride(0), a3.stride(1), a3.stride(2),
+            b3.stride(0), b3.stride(1), b3.stride(2),
+            c.stride(0), c.stride(1), c.stride(2),
+            d.stride(0), d.stride(1), d.stride(2),
+            bstride(pa), pa.stride(1), pa.stride(2),
+            bstride(pb), pb.stride(1), pb.stride(2),
+            bstride(ar), bstride(ab), bstride(br), bstride(bb),
+            alpha, beta,
+            ib, im, jn, ik, ibit, inject_value)
+    meta = dict(BLOCK_M=bm, BLOCK_N=bn, RA=ra, RB=rb, GROUP_M=GROUP_M,
+                A_VEC=1 if a_k_major else _vector(a3, 1, 2, check),
+                SCALED_PARTS=not _prepass.one_read(a3.dtype),
+                B_VEC=1 if b_k_major else _vector(b3, 2, 1, check),
+                HAS_ADD=addend is not None, SCALED=alpha != 1.0, CHECK=check, INJECT=inject_kind,
                 DOT_FP32=_configs.interpreting() and a3.dtype == torch.bfloat16,
                 ALLOW_TF32=tf32, TF32_EMU=tf32_emulation, CAP=check and k <= T.SMALL_K,
                 SUMS=sums, ROUND_OUT=_configs.interpreting() and a3.dtype == torch.bfloat16)
+    return (c, verdict, rr, rc, sr, sc), (tm * tn, bt), args, meta
+
+
+def _launch_impl(a3: torch.Tensor, b3: torch.Tensor, addend: Optional[torch.Tensor],
+                 pa: torch.Tensor, pb: torch.Tensor,
+                 ar: torch.Tensor, ab: torch.Tensor, br: torch.Tensor, bb: torch.Tensor,
+                 coef: torch.Tensor,
+                 alpha: float, beta: float, bm: int, bn: int, ra: int, rb: int, a_k_major: bool,
+                 b_k_major: bool, check: bool, tf32: bool,
+                 tf32_emulation: int, inject_kind: int, inject_at: List[int], inject_value: float,
+                 block_k: int, num_warps: int, num_stages: int, sums: bool,
+                 ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
+                            torch.Tensor]:
+    """One launch over a (B, M, K) x (B, K, N) batch; block_k = 0 lets the autotuner choose (on a
+    GPU) or takes the factory's one config (under the interpreter)."""
+    outs, grid, args, meta = launch(a3, b3, addend, pa, pb, ar, ab, br, bb, coef, alpha, beta, bm,
+                                    bn, ra, rb, a_k_major, b_k_major, check, tf32, tf32_emulation,
+                                    inject_kind, inject_at, inject_value, sums)
+    if grid[0] * grid[1] == 0:
+        return outs
     if block_k:
         kernel = _checked_gemm_kernel
         meta.update(BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
@@ -353,31 +541,17 @@ def _launch_impl(a3: torch.Tensor, b3: torch.Tensor, addend: Optional[torch.Tens
         meta.update(cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     else:
         kernel = _autotuned(bm, bn, a3.dtype)
-    ib, im, jn, ik, ibit = inject_at
-    bstride = lambda t: t.stride(0) if t.shape[0] > 1 else 0
-    wrap_triton(kernel)[(tm * tn, bt)](
-        a3, b3, c, d,
-        verdict, rr, rc, sr, sc,
-        ar, ab, br, bb, coef,
-        m, n, k, tm, tn,
-        a3.stride(0), a3.stride(1), a3.stride(2),
-        b3.stride(0), b3.stride(1), b3.stride(2),
-        c.stride(0), c.stride(1), c.stride(2),
-        d.stride(0), d.stride(1), d.stride(2),
-        bstride(ar), bstride(ab), bstride(br), bstride(bb),
-        alpha, beta,
-        ib, im, jn, ik, ibit, inject_value,
-        **meta,
-    )
-    return c, verdict, rr, rc, sr, sc
+    wrap_triton(kernel)[grid](*args, **meta)
+    return outs
 
 
-def _launch_fake(a3, b3, addend, ar, ab, br, bb, coef, alpha, beta, bm, bn, check, tf32,
-                 tf32_emulation, inject_kind, inject_at, inject_value, block_k, num_warps,
+def _launch_fake(a3, b3, addend, pa, pb, ar, ab, br, bb, coef, alpha, beta, bm, bn, ra, rb,
+                 a_k_major, b_k_major, check,
+                 tf32, tf32_emulation, inject_kind, inject_at, inject_value, block_k, num_warps,
                  num_stages, sums):
     bt, m, _ = a3.shape
     n = b3.shape[2]
-    tm, tn = -(-m // bm), -(-n // bn)
+    tm, tn = -(-m // (bm - ra)), -(-n // (bn - rb))
     f32 = dict(dtype=torch.float32, device=a3.device)
     return (a3.new_empty(bt, m, n), a3.new_empty(bt, tm, tn, L.NFIELDS, **f32),
             a3.new_empty(bt, m, tn, **f32), a3.new_empty(bt, tm, n, **f32),
@@ -406,13 +580,17 @@ def checked_gemm(a, b, bias=None, *, addend=None, alpha=1.0, beta=1.0, tiles=Non
         bias: (N,) or None: the addend of ``linear``.
         addend: a tensor broadcastable to C (addmm's and baddbmm's input), or None; added in
             fp32 before C is rounded, as cuBLAS does.
-        tiles: (BM, BN) or None (``configs.tile``).
-        check: False compiles the checks out.
+        tiles: the kernel's tile (BM, BN), powers of two, or None (``configs.tile``). Checked,
+            a tile holds RA checksum rows and RB checksum columns (``Layout``): the verdict's
+            tiles are ``data_tiles(a, b, tiles)`` = (BM - RA, BN - RB).
+        check: False compiles the checks out (and the checksum rows: tiles of BM x BN data).
         inject: dict(kind=bitflip|add|zero, batch=0, row=, col=, k_step=0, bit=, value=) or None.
         tf32: None follows torch (``torch.backends.cuda.matmul.allow_tf32`` for fp32 on CUDA);
             "truncate" or "nearest" emulate tf32 inputs in the kernel (tests on the CPU).
         config: a ``triton.Config`` to launch instead of the autotuner's choice.
-        b_stats: ``stats.operand_stats(b.mT, BN)`` kept from an earlier call (a weight), or None.
+        b_stats: the pre-pass of b's columns kept from an earlier call (a weight): a
+            ``prepass.Prepared``, or a function of ``Layout.b_key`` returning one
+            (``prepass.prepare(b.mT, *key)``); or None.
         lam: threshold multiplier (None: ``threshold.LAMBDA``).
         return_sums: also return the residual and threshold of every sum, in C's units:
             dict(res_row, thr_row (B, M, TN), res_col, thr_col (B, TM, N)).
@@ -444,33 +622,36 @@ def checked_gemm(a, b, bias=None, *, addend=None, alpha=1.0, beta=1.0, tiles=Non
     if add is not None:
         add = add.expand(bt, m, n) if add.dim() <= 3 else add.reshape(-1, m, n)
     bm, bn = tiles or _configs.tile(m, n, k, a.dtype)
-    if tf32 in ("truncate", "nearest"):
-        emu, tf = _TF32_EMU[tf32], False
-    else:
-        emu = 0
-        tf = (a.dtype == torch.float32 and a.device.type == "cuda"
-              and (torch.backends.cuda.matmul.allow_tf32 if tf32 is None else bool(tf32)))
+    tf, emu = _tf32(a, tf32)
     if config is not None:
         bk = config.kwargs["BLOCK_K"]
     else:
         bk = min(cf.kwargs["BLOCK_K"] for cf in _configs.configs(bm, bn, a.dtype))
+    lay = Layout(a3, b3, a.dtype, bool(tf or emu), check)
+    if bm & (bm - 1) or bn & (bn - 1) or min(bm - lay.ra, bn - lay.rb) < 8:
+        raise ValueError(f"checked_gemm: tiles are powers of two of at least {8 + max(lay.ra, lay.rb)}, "
+                         f"got {(bm, bn)}")
     if check:
-        # statistics of the unexpanded operands: a broadcast batch is read once
-        ar, ab = packed_stats(S.operand_stats(a3, bm))
-        if b_stats is None:
-            b_stats = S.operand_stats(b3.mT, bn)
-        elif b_stats.bs != bn:
-            raise ValueError(f"checked_gemm: b_stats were made for blocks of {b_stats.bs} columns, not {bn}")
-        br, bb = packed_stats(b_stats)
-        ar, ab, br, bb = (t if t.dim() == 3 else t.unsqueeze(0) for t in (ar, ab, br, bb))
-        u = T.units(a.dtype, check=torch.float32, tf32=bool(tf or emu), stored=False,
+        # the pre-pass over the unexpanded operands: a broadcast batch is read once
+        key = lay.b_key(bn)
+        pre_a = _prepass.prepare(a3, bm - lay.ra, lay.nparts, lay.ra, lay.a_k_major, lay.tf32)
+        pre_b = b_stats(key) if callable(b_stats) else b_stats
+        if pre_b is None:
+            pre_b = _prepass.prepare(b3.mT, *key)
+        elif pre_b.key != key[:4]:
+            raise ValueError(f"checked_gemm: b_stats were made for {pre_b.key}, not {key[:4]} "
+                             f"(data columns, parts, rows per block, K-contiguous)")
+        u = T.units(a.dtype, check=torch.float32, tf32=lay.tf32, stored=False,
                     flush=a.device.type == "cuda")
-        acc = accumulation(k, a.dtype, tf or emu, bk)
-        chk = T.blocked(k, bk)
-        coef = T.pack(T.coefficients(u, k=k, bs=bm, acc=acc, chk=chk, lam=lam),
-                      T.coefficients(u, k=k, bs=bn, acc=acc, chk=chk, lam=lam), device=a.device)
+        acc = accumulation(k, a.dtype, lay.tf32, bk)
+        split = _prepass.split_error(a.dtype, lay.tf32)
+        coef = T.pack(T.coefficients(u, k=k, bs=bm - lay.ra, acc=acc, chk=acc, lam=lam, split=split),
+                      T.coefficients(u, k=k, bs=bn - lay.rb, acc=acc, chk=acc, lam=lam, split=split),
+                      device=a.device)
+        pa, pb = pre_a.parts, pre_b.parts
+        ar, ab, br, bb = pre_a.rows, pre_a.blocks, pre_b.rows, pre_b.blocks
     else:
-        ar = ab = br = bb = coef = torch.empty(1, 1, 1, dtype=torch.float32, device=a.device)
+        pa = pb = ar = ab = br = bb = coef = torch.empty(1, 1, 1, dtype=torch.float32, device=a.device)
     a3 = a3.expand(bt, m, k)
     b3 = b3.expand(bt, k, n)
     inj = inject or {}
@@ -478,9 +659,9 @@ def checked_gemm(a, b, bias=None, *, addend=None, alpha=1.0, beta=1.0, tiles=Non
              int(inj.get("k_step", 0)), int(inj.get("bit", 0))]
     cfg = (config.kwargs["BLOCK_K"], config.num_warps, config.num_stages) if config else (0, 0, 0)
     c, verdict, rr, rc, sr, sc = _launch(
-        a3, b3, add, ar, ab, br, bb, coef, float(alpha), float(beta), bm, bn, bool(check), tf, emu,
-        INJECT_KINDS[inj["kind"]] if inject else 0, where, float(inj.get("value", 0.0)), *cfg,
-        bool(return_sums and check))
+        a3, b3, add, pa, pb, ar, ab, br, bb, coef, float(alpha), float(beta), bm, bn, lay.ra,
+        lay.rb, lay.a_k_major, lay.b_k_major, bool(check), tf, emu, INJECT_KINDS[inj["kind"]] if inject else 0, where,
+        float(inj.get("value", 0.0)), *cfg, bool(return_sums and check))
     if squeeze:
         c = c[0]
     if not check:
@@ -495,4 +676,5 @@ def tiles_for(m, n, k, dtype):
     return _configs.tile(m, n, k, dtype)
 
 
-__all__ = ["checked_gemm", "tiles_for", "INJECT_KINDS", "packed_stats", "accumulation"]
+__all__ = ["checked_gemm", "tiles_for", "data_tiles", "Layout", "INJECT_KINDS",
+           "accumulation"]

@@ -188,11 +188,16 @@ def test_kernel_and_reference_thresholds_agree(dist, k):
     c, v, _, ks = TG.checked_gemm(a, b, tiles=(32, 16), return_sums=True)
     bk = configs.configs(32, 16, torch.float32)[0].kwargs["BLOCK_K"]
     u = T.units(torch.float32, check=torch.float32, stored=False)
-    _, _, rs = reference.check(a, b, c, bm=32, bn=16, units=u, acc=TG.accumulation(k, torch.float32, False, bk),
+    dm, dn = TG.data_tiles(a, b, (32, 16))          # the kernel's tiles, less the checksum rows
+    _, _, rs = reference.check(a, b, c, bm=dm, bn=dn, units=u, acc=TG.accumulation(k, torch.float32, False, bk),
                                chk=T.blocked(k, bk), return_sums=True)
+    # the statistics agree to float32's round-off, but for the multiplicity of repeated rows: the
+    # reference counts rows with equal float64 sums of squares (few-valued rows that are not
+    # equal, too: a larger threshold), the fused pre-pass rows with equal float32 sums
+    rtol = 1e-2 if dist == "few_values" else 1e-4
     for side in ("col", "row"):
         mine, theirs = ks[f"thr_{side}"][0].double(), rs[f"thr_{side}"]
-        assert torch.allclose(mine, theirs, rtol=1e-4, atol=0), (side, (mine / theirs - 1).abs().max())
+        assert torch.allclose(mine, theirs, rtol=rtol, atol=0), (side, (mine / theirs - 1).abs().max())
         res_k, res_r = ks[f"res_{side}"][0].double(), rs[f"res_{side}"]
         assert ((res_k - res_r).abs() <= theirs).all()          # both residuals are round-off
 

@@ -61,9 +61,11 @@ def test_verdict_is_written_by_every_tile(monkeypatch):
     real_empty = torch.empty
     monkeypatch.setattr(TG.torch, "empty", lambda *s, **k: real_empty(*s, **k).fill_(float("nan")))
     a, b = torch.randn(2, 70, 40), torch.randn(2, 40, 65)
-    c, v, (rr, rc) = TG.checked_gemm(a, b)
+    c, v, (rr, rc) = TG.checked_gemm(a, b, tiles=(32, 32))
+    dm, dn = TG.data_tiles(a, b, (32, 32))
     assert not torch.isnan(v).any() and not torch.isnan(rr).any() and not torch.isnan(rc).any()
-    assert not torch.isnan(c).any() and v.shape == (2, 3, 3, L.NFIELDS)
+    assert not torch.isnan(c).any() and v.shape == (2, -(-70 // dm), -(-65 // dn), L.NFIELDS)
+    assert v.shape[1] * v.shape[2] >= 9
 
 
 @pytest.mark.parametrize("kind,extra", [("bitflip", dict(bit=30)), ("bitflip", dict(bit=29)), ("bitflip", dict(bit=22)),
@@ -74,11 +76,12 @@ def test_injected_accumulator_fault_is_located(kind, extra, dtype):
     torch.manual_seed(1)
     a, b = torch.randn(2, 64, 96).to(dtype), torch.randn(2, 96, 64).to(dtype)
     inj = dict(kind=kind, batch=1, row=45, col=12, k_step=1, **extra)
-    clean, _, _ = TG.checked_gemm(a, b)
-    c, v, (rr, rc) = TG.checked_gemm(a, b, inject=inj)
+    clean, _, _ = TG.checked_gemm(a, b, tiles=(32, 32))
+    c, v, (rr, rc) = TG.checked_gemm(a, b, tiles=(32, 32), inject=inj)
+    dm, dn = TG.data_tiles(a, b, (32, 32))
     alarmed = (v[..., L.ROW_RATIO] > 1) | (v[..., L.COL_RATIO] > 1)
-    assert alarmed.nonzero().tolist() == [[1, 1, 0]]
-    t = v[1, 1, 0]
+    assert alarmed.nonzero().tolist() == [[1, 45 // dm, 12 // dn]]
+    t = v[1, 45 // dm, 12 // dn]
     assert (int(t[L.ROW]), int(t[L.COL])) == (45, 12)
     assert not torch.equal(c, clean)
 
@@ -162,10 +165,14 @@ def test_tf32_inputs_are_allowed_for_and_faults_still_caught(mode, monkeypatch):
     assert ((v0[..., L.ROW_RATIO] > 1) | (v0[..., L.COL_RATIO] > 1)).any()
     monkeypatch.undo()
     # a fault at a tenth of the worst-case bound of the tf32 product's column sum is caught
-    bound = (2 * 2.0 ** -10 + 300 * 2.0 ** -24) * (a[32:].abs().double() @ b.abs().double())[:, 9].sum().item()
-    _, v1, _ = TG.checked_gemm(a, b, tf32=mode, inject=dict(kind="add", row=40, col=9, value=bound / 10))
+    dm, dn = TG.data_tiles(a, b, (32, 32), tf32=mode)
+    rows = a[40 // dm * dm:(40 // dm + 1) * dm]             # the tile's rows
+    bound = (2 * 2.0 ** -10 + 300 * 2.0 ** -24) * (rows.abs().double() @ b.abs().double())[:, 9].sum().item()
+    _, v1, _ = TG.checked_gemm(a, b, tf32=mode, tiles=(32, 32),
+                               inject=dict(kind="add", row=40, col=9, value=bound / 10))
     alarmed = ((v1[..., L.ROW_RATIO] > 1) | (v1[..., L.COL_RATIO] > 1)).nonzero().tolist()
-    assert alarmed == [[0, 1, 0]] and (int(v1[0, 1, 0, L.ROW]), int(v1[0, 1, 0, L.COL])) == (40, 9)
+    assert alarmed == [[0, 40 // dm, 9 // dn]]
+    assert (int(v1[0, 40 // dm, 9 // dn, L.ROW]), int(v1[0, 40 // dm, 9 // dn, L.COL])) == (40, 9)
 
 
 def _cases():
@@ -262,8 +269,10 @@ try:
 except KeyboardInterrupt:
     pass
 nodes = [n for n in graphs[0].graph.nodes if "triton_kernel_wrapper" in str(n.target)]
-kernel = kernel_side_table.get_kernel(nodes[0].kwargs["kernel_idx"])
-print(len(nodes), getattr(kernel, "fn", kernel).__name__, nodes[0].kwargs["kwargs"]["CHECK"])
+name = lambda n: getattr(kernel_side_table.get_kernel(n.kwargs["kernel_idx"]), "fn", None).__name__
+main = [n for n in nodes if name(n) == "_checked_gemm_kernel"]
+print(len(nodes), sum(name(n) == "_prepass_kernel" for n in nodes), len(main),
+      main[0].kwargs["kwargs"]["CHECK"])
 from abft.kernels import configs
 for dt in (torch.float32, torch.bfloat16):           # the GPU autotuner: the factory's configs,
     tuner = TG._autotuned(128, 128, dt)              # keyed on arguments the kernel has
@@ -275,15 +284,17 @@ print("tuner ok")
 
 
 def test_torch_compile_traces_the_kernel_itself():
-    """Without the interpreter the launch is a triton_op: torch.compile sees the kernel (one
-    triton_kernel_wrapper_functional node), not an opaque call. Traced here, run on GPUs only."""
+    """Without the interpreter the launches are triton_ops: torch.compile sees the kernels (the
+    pre-passes' and the main kernel's triton_kernel_wrapper_functional nodes), not opaque calls.
+    Traced here, run on GPUs only."""
     import subprocess
     import sys
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     out = subprocess.run([sys.executable, "-c", TRACE], env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
-    assert out.stdout.split()[-5:] == ["1", "_checked_gemm_kernel", "True", "tuner", "ok"], out.stdout
+    # the pre-passes of both operands and the main kernel
+    assert out.stdout.split()[-6:] == ["3", "2", "1", "True", "tuner", "ok"], out.stdout
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
