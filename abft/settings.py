@@ -12,7 +12,8 @@ class Settings:
     policy: str = "record"
     backend: str = "reference"
     sample_every: int = 1
-    tiles: tuple = None                # (BM, BN); None: the backend's own (reference 256 x 256)
+    tiles: tuple = None                # (BM, BN); None: the backend's own (reference 256 x 256; the
+                                       # fused kernel's are powers of two holding checksum rows too)
     log_path: str = None               # JSONL sink; may contain {rank}
     on_alarm: object = None            # callable(Alarm)
     max_pending: int = 256             # verdicts queued before they resolve themselves

@@ -121,7 +121,11 @@ def main(argv=None):
     ap.add_argument("--trials", type=int, default=20)
     ap.add_argument("--backends", nargs="+", default=["reference", "triton"])
     ap.add_argument("--dists", nargs="+", default=list(DISTRIBUTIONS))
+    ap.add_argument("--dtypes", nargs="+", default=None, help="e.g. bfloat16 float32")
+    ap.add_argument("--tiles", type=int, nargs=2, default=list(_Kernel.tiles),
+                    help="the fused kernel's tile (its sums run over the data tiles inside it)")
     args = ap.parse_args(argv)
+    _Kernel.tiles = tuple(args.tiles)
     dtypes = {"reference": (torch.float32, torch.float64, torch.bfloat16, torch.float16),
               "triton": (torch.float32, torch.bfloat16, torch.float16)}
     torch.set_num_threads(1)
@@ -129,6 +133,8 @@ def main(argv=None):
     print("|---|---|---|---|---|---|---|---|", flush=True)
     for backend in args.backends:
         for dt in dtypes[backend]:
+            if args.dtypes and str(dt).replace("torch.", "") not in args.dtypes:
+                continue
             for dist in args.dists:
                 for k in args.k:
                     r = case(backend, dt, dist, k, args.trials)
