@@ -11,8 +11,8 @@ The cost model is a roofline, and says so: each launch takes max(FLOPs / peak, b
 at H200 peaks (989 TFLOP/s dense bf16, 4.8 TB/s HBM), launches add up, nothing overlaps. FLOPs are
 the tensor cores' work on whole tiles (a checked tile of BM x BN computes BM - RA rows and BN - RB
 columns of C); bytes are each operand read once from HBM (a GEMM's tiles share them through L2),
-the pre-pass's read of its operand (two for fp16, whose blocks are larger than L2's share), and
-every output written. What it cannot see: latencies, the epilogue's time per tile, L2 misses, clocks.
+the pre-pass's two reads of its operand (its blocks are larger than L2's share), and every
+output written. What it cannot see: latencies, the epilogue's time per tile, L2 misses, clocks.
 """
 import json
 import os
@@ -106,8 +106,7 @@ def plans(t, i, o):
                         ("prepass_b", b3.mT, key[0], lay.rb, lay.b_k_major, not weight)):
                     outs, grid, args, meta = P.launch(x, dm, lay.nparts, r, k_major, False,
                                                       PREPASS_CONFIG["BLOCK_K"])
-                    reads = 1 if P.one_read(DTYPE) else 2
-                    nbytes = reads * _nbytes(x) + _nbytes(*outs)
+                    nbytes = 2 * _nbytes(x) + _nbytes(*outs)       # two reads
                     launches.append((role, "checked", P._prepass_kernel, args, meta,
                                      dict(num_warps=PREPASS_CONFIG["num_warps"],
                                           num_stages=PREPASS_CONFIG["num_stages"]),

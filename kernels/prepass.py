@@ -3,8 +3,8 @@
 For the rows of x (..., R, K) (the rows of A, or of B^T: the columns of B) and blocks of ``dm`` rows
 (a tile's data rows), one program per block reads the block along K and writes:
 
-- the checksum of the block, s_k = sum_i x_ik in fp32 (fp16: times 2^-E, the block's scale, so
-  its parts fit fp16's range), split into ``parts`` values in the operand's dtype (hi, mid, lo: bf16 keeps 8
+- the checksum of the block, s_k = sum_i x_ik 2^-E in fp32 (in the block's scale, so its parts
+  fit fp16's range and keep their precision at any scale), split into ``parts`` values in the operand's dtype (hi, mid, lo: bf16 keeps 8
   bits a part and fp16 11, so three parts carry fp32's 24; fp16's last part may be subnormal,
   ``split_error``), which the main kernel's tensor cores multiply exactly; one fp32 part for fp32
   operands (the dot is in fp32), three tf32 parts for tf32; ``pad`` - ``parts`` rows of zeros
@@ -14,10 +14,12 @@ For the rows of x (..., R, K) (the rows of A, or of B^T: the columns of B) and b
   the low-entropy flag; per block the exponent E, the norms of sum_i (x 2^-E)^2 and of (s 2^-E)^2,
   the multiplicity of a repeated row, any low-entropy row, all rows finite.
 
-One read of the block (``one_read``): sums in units scaled by powers of two (so no square
-overflows), each rescaled exactly as its scale grows. fp16 reads twice: the first finds the
-exponents that scale its checksums (a block is DM x K: with many in flight, the second read comes
-from HBM, as ``abft bench --static`` counts it).
+Two reads of the block: the first finds each row's exponent and the block's, the second sums in
+units scaled by those powers of two (so no square overflows, and the checksum's parts are exact
+to the same relative precision at any scale: the verdict is invariant when an operand is scaled
+by a power of two). A block is DM x K: with many in flight, the second read comes from HBM, as
+``abft bench --static`` counts it. (A one-read variant that rescales as the exponents grow lost
+that invariance: its unscaled checksums' parts go subnormal below 2^-110.)
 """
 from typing import Tuple
 
@@ -42,23 +44,16 @@ _BE, _BX1, _BXINF, _BXS1, _BXSINF, _BNU, _BLOW, _BFIN = (tl.constexpr(x) for x i
 _RF, _BF = tl.constexpr(ROW_FIELDS), tl.constexpr(BLOCK_FIELDS)
 
 
-def one_read(dtype):
-    """Whether the pre-pass reads its operand once and leaves the checksums unscaled (bf16, tf32
-    and fp32 have fp32's range), or twice to scale them by the block's exponent (fp16's parts need
-    it: a sum of 125 values may pass 65504, and small ones fall below its normal range)."""
-    return dtype != torch.float16
-
-
 def split_error(dtype, tf32=False):
-    """(log2 of eta, absolute): how far the parts may be from the checksum they split. bf16 and
-    tf32 parts of an unscaled checksum are exact down to their last part's subnormal grid: half of
-    it, 2^-134 (bf16) or 2^-136 (tf32), in natural units. fp16's last part of a checksum scaled
-    into its range: 2^-25 in the block's units. fp32: one exact part."""
+    """(log2 of eta, absolute): how far the parts may be from the checksum they split, in the
+    block's units (the checksum times 2^-E): half the last part's subnormal grid, 2^-134 (bf16),
+    2^-25 (fp16), 2^-150 (tf32 and fp32). Scaled units: the verdict stays invariant when an
+    operand is scaled by a power of two."""
     if dtype == torch.float16:
         return -25.0, False
     if dtype == torch.bfloat16:
-        return -134.0, True
-    return (-136.0, True) if tf32 else (-1000.0, False)
+        return -134.0, False
+    return -150.0, False
 
 
 def parts_for(dtype, tf32):
@@ -102,7 +97,7 @@ def _prepass_kernel(
     stride_xb, stride_xr, stride_xk,
     stride_rowb, stride_blkb, stride_pb, stride_pr, stride_pk,
     DM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PARTS: tl.constexpr,
-    PAD: tl.constexpr, TF32: tl.constexpr, ONE_READ: tl.constexpr,
+    PAD: tl.constexpr, TF32: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     pid_b = tl.program_id(1).to(tl.int64)
@@ -111,33 +106,29 @@ def _prepass_kernel(
     r_ok = (r < DM) & (g < R)
     base = x_ptr + pid_b * stride_xb
     rk = tl.arange(0, BLOCK_K)
-    if ONE_READ:
-        # one read: each row's sums in the scale of its largest magnitude so far, and the block's
-        # in the scale of its largest so far, rescaled by exact powers of two as they grow (the
-        # same numbers as two reads, while partial sums stay in the normal range); the checksum
-        # unscaled (its parts are exact in bf16, tf32 and fp32 over that range)
-        amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
-        bad = tl.zeros((BLOCK_R,), dtype=tl.float32)
-        e_i = tl.zeros((BLOCK_R,), dtype=tl.float32)
-        big_e = -1000.0
-    else:
-        # first read: each row's largest magnitude (its exponent) and whether it is finite
-        amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
-        bad = tl.zeros((BLOCK_R,), dtype=tl.float32)
-        for ks in range(0, tl.cdiv(K, BLOCK_K)):
-            kk = ks * BLOCK_K + rk
-            x = tl.load(base + g[:, None] * stride_xr + kk[None, :] * stride_xk,
-                        mask=r_ok[:, None] & (kk < K)[None, :], other=0.0).to(tl.float32)
-            ax = tl.abs(x)
-            fin = ax < float("inf")                       # false for inf and NaN
-            bad += tl.sum(tl.where(fin, 0.0, 1.0), 1)
-            amax = tl.maximum(amax, tl.max(tl.where(fin, ax, 0.0), 1))
-        e_i = tl.where(bad > 0, 0.0, exponent_tl(amax))
-        # zero and non-finite rows do not set the block's scale; an all-zero block has E = 0
-        big_e = tl.max(tl.where(r_ok & (amax > 0) & (bad == 0), e_i, -1000.0), 0)
-        big_e = tl.where(big_e > -1000.0, big_e, 0.0)
-    row_scale = pow2_tl(-e_i)
-    blk_scale = pow2_tl(-big_e)
+    # first read: each row's largest magnitude (its exponent) and whether it is finite
+    amax = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    bad = tl.zeros((BLOCK_R,), dtype=tl.float32)
+    for ks in range(0, tl.cdiv(K, BLOCK_K)):
+        kk = ks * BLOCK_K + rk
+        x = tl.load(base + g[:, None] * stride_xr + kk[None, :] * stride_xk,
+                    mask=r_ok[:, None] & (kk < K)[None, :], other=0.0).to(tl.float32)
+        ax = tl.abs(x)
+        fin = ax < float("inf")                       # false for inf and NaN
+        bad += tl.sum(tl.where(fin, 0.0, 1.0), 1)
+        amax = tl.maximum(amax, tl.max(tl.where(fin, ax, 0.0), 1))
+    e_i = tl.where(bad > 0, 0.0, exponent_tl(amax))
+    # zero and non-finite rows do not set the block's scale; an all-zero block has E = 0
+    big_e = tl.max(tl.where(r_ok & (amax > 0) & (bad == 0), e_i, -1000.0), 0)
+    big_e = tl.where(big_e > -1000.0, big_e, 0.0)
+    # 2^-e as two factors 2^-h 2^-(e-h), each in float32's normal range for any e of a finite
+    # value (-149 to 128); inline (a nested call costs milliseconds a step under the interpreter)
+    h_i = tl.floor(-e_i * 0.5)
+    row_a = ((tl.minimum(tl.maximum(h_i, -126.0), 127.0).to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
+    row_b = ((tl.minimum(tl.maximum(-e_i - h_i, -126.0), 127.0).to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
+    h_b = tl.floor(-big_e * 0.5)
+    blk_a = ((tl.minimum(tl.maximum(h_b, -126.0), 127.0).to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
+    blk_b = ((tl.minimum(tl.maximum(-big_e - h_b, -126.0), 127.0).to(tl.int32) + 127) << 23).to(tl.float32, bitcast=True)
     # the (second) read: sums in scaled units, and the split checksums
     r1 = tl.zeros((BLOCK_R,), dtype=tl.float32)
     x1 = 0.0
@@ -151,33 +142,13 @@ def _prepass_kernel(
                     mask=r_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32)
         fin = tl.abs(x) < float("inf")
         xf = tl.where(fin, x, 0.0)
-        if ONE_READ:
-            bad += tl.sum(tl.where(fin, 0.0, 1.0), 1)
-            amax = tl.maximum(amax, tl.max(tl.abs(xf), 1))
-            e_new = exponent_tl(amax)
-            r1 = r1 * pow2_tl(2 * (e_i - e_new))
-            e_i = e_new
-            row_scale = pow2_tl(-e_i)
-            e_blk = tl.max(tl.where(r_ok & (amax > 0) & (bad == 0), e_i, -1000.0), 0)
-            e_blk = tl.maximum(e_blk, big_e)
-            grow = pow2_tl(2 * (big_e - e_blk))
-            grow = tl.where(big_e > -1000.0, grow, 0.0)
-            x1 = x1 * grow
-            xinf = xinf * grow
-            xs1 = xs1 * grow
-            xsinf = xsinf * grow
-            big_e = e_blk
-            blk_scale = pow2_tl(-big_e)
-        xs = xf * row_scale[:, None]
+        xs = xf * row_a[:, None] * row_b[:, None]
         r1 += tl.sum(xs * xs, 1)
-        xb = xf * blk_scale
+        xb = xf * blk_a * blk_b
         alpha = tl.sum(xb * xb, 0)
         x1 += tl.sum(alpha, 0)
         xinf = tl.maximum(xinf, tl.max(alpha, 0))
-        if ONE_READ:
-            s = tl.sum(x, 0)                    # the checksum, unscaled (NaN, inf propagate)
-        else:
-            s = tl.sum(x * blk_scale, 0)        # the checksum in units of 2^E (NaN, inf propagate)
+        s = tl.sum(x * blk_a * blk_b, 0)        # the checksum in units of 2^E (NaN, inf propagate)
         sf = tl.sum(xb, 0)
         xs1 += tl.sum(sf * sf, 0)
         xsinf = tl.maximum(xsinf, tl.max(sf * sf, 0))
@@ -203,11 +174,7 @@ def _prepass_kernel(
             tl.store(prow + 2 * stride_pr, lo.to(parts_ptr.dtype.element_ty), mask=k_ok)
         for p in tl.static_range(PARTS, PAD):
             tl.store(prow + p * stride_pr, tl.zeros_like(s).to(parts_ptr.dtype.element_ty), mask=k_ok)
-    if ONE_READ:
-        e_i = tl.where(bad > 0, 0.0, e_i)
-        big_e = tl.where(big_e > -1000.0, big_e, 0.0)
-        row_scale = pow2_tl(-e_i)
-    sc = row_scale * amax
+    sc = amax * row_a * row_b
     rinf = sc * sc
     low = _low_entropy(base, stride_xr, stride_xk, g, r_ok, K, _SAMPLES)
     # the largest multiplicity of a row repeated exactly: equal exponents and sums of squares
@@ -258,7 +225,7 @@ def launch(x, dm, nparts, pad, k_major, tf32, block_k):
             x.stride(0), x.stride(1), x.stride(2),
             rows.stride(0), blocks.stride(0), parts.stride(0), parts.stride(1), parts.stride(2))
     meta = dict(DM=dm, BLOCK_R=triton.next_power_of_2(dm), BLOCK_K=block_k, PARTS=nparts, PAD=pad,
-                TF32=tf32, ONE_READ=one_read(x.dtype))
+                TF32=tf32)
     return (rows, blocks, parts), (t, bt), args, meta
 
 

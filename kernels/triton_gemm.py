@@ -4,8 +4,8 @@ accumulator before it is rounded.
 Design: the checksums ride in the tiles, so the K loop is the unchecked GEMM's K loop.
 - A pre-pass (``kernels/prepass.py``, one program per block of DM = BM - RA rows of A, and of
   DN = BN - RB columns of B) reads the operand and writes, per block, its checksum
-  s_k = sum_i x_ik split into R parts that the tensor cores multiply exactly (3 for bf16, fp16 and
-  tf32, 1 for fp32; fp16's scaled by 2^-E into its range), and the statistics the threshold is built from (row exponents,
+  s_k = sum_i x_ik 2^-E split into R parts that the tensor cores multiply exactly (3 for bf16,
+  fp16 and tf32, 1 for fp32), and the statistics the threshold is built from (row exponents,
   norms, multiplicities, low-entropy flags: ``stats.operand_stats``'s quantities). A weight's
   pre-pass is kept between optimizer steps (``abft/weightcache.py``).
 - The main kernel's A tile is DM data rows and RA checksum rows; its B tile DN data columns and
@@ -24,8 +24,9 @@ Cost, against an unchecked GEMM of BM x BN tiles (``abft bench --static`` compil
 - FLOPs: a checked tile computes (BM - RA)(BN - RB) elements of C for BM.BN.K multiply-adds:
   about RA/BM + RB/BN more tensor-core work (4.7% at 128 x 128 with 3 parts a side, 12.5% with
   8 and 8), plus the last tile row and column of a size that is no longer a multiple of the tile.
-- Bytes: the pre-pass reads its operand once (fp16: twice, to scale its parts into fp16's range)
-  and writes R/DM of it (the parts) and 16 bytes per row; the
+- Bytes: the pre-pass reads its operand twice (the first read finds the exponents that scale
+  the checksums and sums; a block is K long, so with many in flight the second read comes from
+  HBM) and writes R/DM of it (the parts) and 16 bytes per row; the
   main kernel reads the parts with the tiles, writes 4 BN floats of scratch per tile (the column
   sums come back through L2 in a compact layout: no register spills), the verdict and the ratios.
   A kept weight costs nothing per call. At H200's 989 TFLOP/s over 4.8 TB/s, one more read of a
@@ -138,7 +139,7 @@ def _checked_gemm_kernel(
     # meta-parameters: RA checksum rows and RB checksum columns per tile (0: checks compiled out)
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, RA: tl.constexpr,
     RB: tl.constexpr,
-    GROUP_M: tl.constexpr, A_VEC: tl.constexpr, B_VEC: tl.constexpr, SCALED_PARTS: tl.constexpr,
+    GROUP_M: tl.constexpr, A_VEC: tl.constexpr, B_VEC: tl.constexpr,
     HAS_ADD: tl.constexpr, SCALED: tl.constexpr, CHECK: tl.constexpr, INJECT: tl.constexpr,
     DOT_FP32: tl.constexpr, ALLOW_TF32: tl.constexpr, TF32_EMU: tl.constexpr, CAP: tl.constexpr,
     SUMS: tl.constexpr, ROUND_OUT: tl.constexpr,
@@ -251,23 +252,25 @@ def _checked_gemm_kernel(
         # 2^-(e_i + F_q) = s_t 2^(E_p - e_i) and 2^-(E_p + f_j) = s_t 2^(F_q - f_j), by exact
         # powers of two: the same numbers as scaling each element, while E_p + F_q is within
         # float32's exponents and no row or column is more than 2^60 below its block's largest
-        # (else the tile is left unverified, below). The predictions, the tensor cores' products of
-        # the checksum parts (unscaled; fp16's in units of 2^E_p and 2^F_q), take the same path.
+        # (else the tile is left unverified, below). The predictions are the tensor cores' products
+        # of the checksum parts, in units of 2^E_p and 2^F_q.
         big = 3.4028234663852886e38
         # the data elements (the accumulator is 0 in rows past M and columns past N: loads of 0)
         d_ok = (i < DM)[:, None] & (j < DN)[None, :]
         s_t = pow2_tl(-(e_p + f_q))
-        if SCALED_PARTS:
-            pc_unit = pow2_tl(-f_q)
-            pr_unit = pow2_tl(-e_p)
-        else:
-            pc_unit = s_t
-            pr_unit = s_t
+        # the parts are the checksums in units of 2^E_p (2^F_q): to the column's (row's) units by
+        # 2^-F_q (2^-E_p), as two factors that stay in float32's range for any finite operand
+        h_q = tl.floor(-f_q * 0.5)
+        h_p = tl.floor(-e_p * 0.5)
+        pc_unit = pow2_tl(h_q)
+        pc_unit2 = pow2_tl(-f_q - h_q)
+        pr_unit = pow2_tl(h_p)
+        pr_unit2 = pow2_tl(-e_p - h_p)
         # the column sums go through the scratch (L2) and come back one column per thread; one
         # sum at a time (the barriers keep their partial sums from being live together). Squares
         # of a corrupted accumulator may overflow: clamped, a huge error stays an alarm.
         ws = ws_ptr + ((pid_b * TM + pid_m) * TN + pid_n) * (4 * BLOCK_N)
-        tl.store(ws + 3 * BLOCK_N + j, tl.sum(tl.where(ck_m[:, None], acc, 0.0), 0) * pc_unit)
+        tl.store(ws + 3 * BLOCK_N + j, tl.sum(tl.where(ck_m[:, None], acc, 0.0), 0) * pc_unit * pc_unit2)
         tl.debug_barrier()
         tl.store(ws + j, tl.sum(tl.where(d_ok, acc * s_t, 0.0), 0))
         tl.debug_barrier()
@@ -281,7 +284,7 @@ def _checked_gemm_kernel(
         z4 = tl.where(d_ok, acc * (s_t * 0.0625), 0.0)
         s2_r = tl.minimum(tl.minimum(tl.sum(z4 * z4, 1), big / 256) * 256 * up_r * up_r, big)
         sa_r = tl.sum(tl.where(d_ok, tl.abs(acc) * (s_t * 0.03125), 0.0), 1) * 32 * up_r
-        p_r = tl.sum(tl.where(ck_n[None, :], acc, 0.0), 1) * pr_unit * up_r
+        p_r = tl.sum(tl.where(ck_n[None, :], acc, 0.0), 1) * pr_unit * pr_unit2 * up_r
         jc = tl.arange(0, BLOCK_N)
         rc_n = pid_n * DN + jc
         nc_ok = (jc < DN) & (rc_n < N)
@@ -506,7 +509,6 @@ def launch(a3, b3, addend, pa, pb, ar, ab, br, bb, coef, alpha, beta, bm, bn, ra
             ib, im, jn, ik, ibit, inject_value)
     meta = dict(BLOCK_M=bm, BLOCK_N=bn, RA=ra, RB=rb, GROUP_M=GROUP_M,
                 A_VEC=1 if a_k_major else _vector(a3, 1, 2, check),
-                SCALED_PARTS=not _prepass.one_read(a3.dtype),
                 B_VEC=1 if b_k_major else _vector(b3, 2, 1, check),
                 HAS_ADD=addend is not None, SCALED=alpha != 1.0, CHECK=check, INJECT=inject_kind,
                 DOT_FP32=_configs.interpreting() and a3.dtype == torch.bfloat16,

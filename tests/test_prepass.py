@@ -52,13 +52,14 @@ def test_statistics_match_the_reference_and_the_parts_split_the_checksum(dtype, 
     parts = pre.parts[0].double().view(3, pad, 300)
     assert pre.parts.stride(2 if k_major else 1) == 1
     assert (parts[:, nparts:] == 0).all()
-    scale = 1.0 if P.one_read(dtype) else torch.exp2(blocks[:, P.BLK_E])[:, None]
+    scale = torch.exp2(blocks[:, P.BLK_E])[:, None]
     got = parts[:, :nparts].sum(1) * scale
     x64 = x.double()
     want = torch.stack([x64[i * 29:(i + 1) * 29].sum(0) for i in range(3)])
     bound = 29 * 2.0 ** -24 * torch.stack([x64[i * 29:(i + 1) * 29].abs().sum(0) for i in range(3)])
     log2, absolute = P.split_error(dtype)                   # the last part's subnormal grid
-    bound = bound + (2.0 ** log2 if absolute else 2.0 ** log2 * scale)
+    assert not absolute
+    bound = bound + 2.0 ** log2 * scale
     assert ((got - want).abs() <= bound).all()
 
 
