@@ -210,6 +210,19 @@ _RANGES = {torch.float32: (120, 100), torch.bfloat16: (120, 100), torch.float16:
            torch.float64: (900, 800)}
 
 
+def _p2(x, e):
+    """x * 2^e in two steps: 2.0 ** e alone overflows a Python float from e = 1024 (float64 cases
+    draw up to 1024); the product may still be inf, which the exactness checks reject."""
+    return x * 2.0 ** (e // 2) * 2.0 ** (e - e // 2)
+
+
+def test_the_scaling_helper_reaches_float64s_whole_range():
+    """Hypothesis drew ea = -224, eb = 1024 for float64 and the case raised OverflowError."""
+    one = torch.ones(1, dtype=torch.float64)
+    assert _p2(one, 1023).item() == 2.0 ** 1023 and _p2(one, -1074).item() == 2.0 ** -1074
+    assert torch.isinf(_p2(one, 1024)).all()
+
+
 def _scaled_case(data, dtype):
     m, k, n = (data.draw(st.integers(1, hi)) for hi in (40, 70, 40))
     seed = data.draw(st.integers(0, 2 ** 16))
@@ -219,10 +232,10 @@ def _scaled_case(data, dtype):
     g = torch.Generator().manual_seed(seed)
     a = torch.randn(m, k, generator=g, dtype=torch.float64).to(dtype)
     b = torch.randn(k, n, generator=g, dtype=torch.float64).to(dtype)
-    a2, b2 = a * 2.0 ** ea, b * 2.0 ** eb
+    a2, b2 = _p2(a, ea), _p2(b, eb)
     c, c2 = a @ b, a2 @ b2
-    exact = lambda x, y, e: bool(torch.isfinite(y).all()) and torch.equal(y, x * 2.0 ** e) \
-        and torch.equal(y * 2.0 ** -e, x)
+    exact = lambda x, y, e: bool(torch.isfinite(y).all()) and torch.equal(y, _p2(x, e)) \
+        and torch.equal(_p2(y, -e), x)
     ok = exact(a, a2, ea) and exact(b, b2, eb) and exact(c, c2, ea + eb)
     tiny = torch.finfo(dtype).tiny
     ok = ok and bool(((c2 == 0) | (c2.abs() >= tiny)).all()) and bool(((a2 == 0) | (a2.abs() >= tiny)).all()) \
