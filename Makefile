@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-gemm test bench report-tightness clean
+.PHONY: demo demo-gemm test test-slow bench report-tightness clean
 
 $(STAMP): setup.py constraints.txt
 	$(PY) -m venv $(VENV)
@@ -24,8 +24,14 @@ demo: $(STAMP)
 demo-gemm: $(STAMP)
 	$(BIN)/abft demo
 
+# the suite CI runs (under 20 minutes on 2 cores); the slow tests are the next target
 test: $(STAMP)
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests --benchmark-disable
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests --benchmark-disable -m "not slow"
+
+# the tests marked slow (the fused kernel under a whole Llama, the second stress seed): run them
+# before calling work on the kernel or the threshold done
+test-slow: $(STAMP)
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests --benchmark-disable -m slow
 
 bench: $(STAMP)
 	$(BIN)/abft bench

@@ -44,16 +44,16 @@ def _eval(args):
     from abft.eval import campaign, report
     try:
         cfg = campaign.load(args.config)
-    except (ValueError, OSError) as e:
-        print(f"abft eval: {e}", file=sys.stderr)
-        return 2
-    if args.steps is not None:
-        cfg["train"]["steps"] = args.steps
-        campaign.validate(cfg)
-    try:
+        if args.steps is not None:
+            if args.steps < 1:
+                raise ValueError(f"--steps: a whole number >= 1, got {args.steps}")
+            cfg["train"]["steps"] = args.steps
+            campaign.validate(cfg)
+        if args.pairs < 0:
+            raise ValueError(f"--pairs: a whole number >= 0, got {args.pairs}")
         campaign.run(cfg, args.out, resume=args.resume, pairs=args.pairs,
                      progress=not args.quiet)
-    except FileExistsError as e:
+    except (ValueError, OSError, campaign.Busy) as e:
         print(f"abft eval: {e}", file=sys.stderr)
         return 2
     if os.environ.get("RANK", "0") != "0":

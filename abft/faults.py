@@ -6,8 +6,10 @@ inside the GEMM would, so tests and the evaluation exercise the path a real faul
 
 Patterns: ``element`` (row, col), ``row``, ``column``, ``tile`` (bm x bn from row, col),
 ``strided`` (row, every ``stride``-th column from col: a warp-aligned repeat).
-Kinds: ``bitflip`` (bit of the stored dtype, or a tuple of bits), ``value`` (set), ``add``,
-``scale``, ``zero``.
+Kinds: ``bitflip`` (bit of the stored dtype, or a tuple of bits), ``stuck`` (those bits forced:
+``value`` is the int mask of the ones among them, the rest cleared; ``None`` decides at the first
+application, as the complement of the first corrupted element's bits, and keeps it), ``value``
+(set), ``add``, ``scale``, ``zero``. ``ctx.changed`` counts the elements the corruption changed.
 Choose the call by ``call_id`` and/or ``when(ctx)``, a predicate on a ``CallContext``
 (op, phase, labels, call_id, shape, attempt). ``batch`` indexes the product's leading dims
 (default: the first element of a batched product).
@@ -21,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 PATTERNS = ("element", "row", "column", "tile", "strided")
-KINDS = ("bitflip", "value", "add", "scale", "zero")
+KINDS = ("bitflip", "stuck", "value", "add", "scale", "zero")
 
 _INT_VIEW = {torch.float64: torch.int64, torch.float32: torch.int32,
              torch.float16: torch.int16, torch.bfloat16: torch.int16}
@@ -37,6 +39,8 @@ class CallContext:
     dtype: torch.dtype
     attempt: int = 0
     verdict: object = None      # set after the check: the verdict tensor (for the evaluation)
+    changed: int = None         # set by the injection: elements whose bits it changed
+    tiles: tuple = None         # set after the check: the verdict's (rows, cols) per tile
 
     @property
     def module(self):
@@ -92,11 +96,19 @@ class Injection:
         if view.numel() == 0:
             raise IndexError(f"abft.inject: {self.pattern} at row {self.row}, col {self.col} is "
                              f"outside the product of shape {tuple(c.shape)}")
+        before = view.clone()
         with torch.no_grad():
-            if self.kind == "bitflip":
+            if self.kind in ("bitflip", "stuck"):
                 width = torch.finfo(c.dtype).bits
                 bits = view.view(_INT_VIEW[c.dtype])       # same width: any strides
-                bits ^= flip_mask(self.bit, width, c.dtype)
+                mask = flip_mask(self.bit, width, c.dtype)
+                if self.kind == "bitflip":
+                    bits ^= mask
+                else:
+                    if self.value is None:                 # stuck at the first value it changes
+                        self.value = int(~bits.reshape(-1)[0] & mask)
+                    bits &= ~mask
+                    bits |= int(self.value) & mask
             elif self.kind == "value":
                 view.fill_(self.value)
             elif self.kind == "add":
@@ -105,6 +117,9 @@ class Injection:
                 view.mul_(self.value)
             else:
                 view.zero_()
+        if ctx is not None:
+            ctx.changed = int((before.view(_INT_VIEW.get(c.dtype, c.dtype)) !=
+                               view.view(_INT_VIEW.get(c.dtype, c.dtype))).sum())
         self.hits.append(ctx)
 
 
@@ -135,8 +150,8 @@ class inject:
             raise ValueError(f"abft.inject: pattern must be one of {PATTERNS}, got {pattern!r}")
         if kind not in KINDS:
             raise ValueError(f"abft.inject: kind must be one of {KINDS}, got {kind!r}")
-        if kind == "bitflip" and bit is None:
-            raise ValueError("abft.inject: kind='bitflip' needs bit=")
+        if kind in ("bitflip", "stuck") and bit is None:
+            raise ValueError(f"abft.inject: kind={kind!r} needs bit=")
         if isinstance(bit, (list, tuple)):
             bit = tuple(int(b) for b in bit)
         self.injection = Injection(call_id, when, pattern, kind, row, col, tuple(batch), bit,

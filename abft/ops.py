@@ -176,7 +176,7 @@ def run_checked(pb, recompute, *, phase="forward", module=None):
     coverage.count(pb.op, labels.get("module"), "checked")
     ctx = faults.CallContext(pb.op, phase, labels, call_id, pb.shape, pb.dtype)
     pend = pb.verify(ctx, s)
-    ctx.verdict = pend.verdict
+    ctx.verdict, ctx.tiles = pend.verdict, (pend.info["bm"], pend.info["bn"])
     if s.policy in ("record", "warn"):
         pend.info["action"] = "recorded" if s.policy == "record" else "warned"
         policy.enqueue(pend)

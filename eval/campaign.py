@@ -4,9 +4,18 @@ A config is TOML or JSON (see ``DEFAULT``, the embedded default, for every field
 ``profiles x seeds x modes`` (a profile may name its own ``modes``). Each finished trial is
 appended to ``trials.jsonl`` in the run folder at once (``trials-pair{p}.jsonl`` when several
 distributed pairs write), so an interrupted campaign loses nothing and ``resume`` skips the trials
-already there. The run folder holds JSON, JSONL, TOML, Markdown and PNG only.
+already there. The resolved config is hashed into ``config.json`` and every record: a resume
+with another config is refused, naming what differs. ``lock.json`` keeps a second writer out.
+The run folder holds JSON, JSONL, TOML, Markdown and PNG only.
+
+Reproducible: each trial runs on ``threads`` torch threads (default 1) in-process and on every
+rank alike, so in-process and distributed campaigns agree bit for bit; each profile draws its
+faults from its own stream, derived from (campaign seed, profile, trial), while the training
+data of trial k is the same for every profile.
 """
+import contextlib
 import glob
+import hashlib
 import json
 import os
 import sys
@@ -22,6 +31,7 @@ DEFAULT = """
 # and a stuck unit run free (no sync) to show what a permanent fault does to the fine-tune.
 seed = 0
 seeds = 1                 # trials per profile and mode
+threads = 1               # torch threads per trial (results depend on it)
 modes = ["computation"]   # computation | parameter | none
 backend = "reference"
 
@@ -73,7 +83,7 @@ multi_bit = 0.0
 modes = ["computation", "none"]
 """
 
-TOP = ("seed", "seeds", "modes", "backend", "train", "profiles")
+TOP = ("seed", "seeds", "threads", "modes", "backend", "train", "profiles")
 
 
 def parse(text, fmt="toml"):
@@ -100,10 +110,10 @@ def validate(cfg):
     for k in cfg:
         if k not in TOP:
             raise ValueError(f"config: unknown field {k!r}; fields are {TOP}")
-    for k in ("seed", "seeds"):
-        v = cfg.setdefault(k, 0 if k == "seed" else 1)
-        if not isinstance(v, int) or v < (0 if k == "seed" else 1):
-            raise ValueError(f"config.{k}: a whole number, got {v!r}")
+    for k, low in (("seed", 0), ("seeds", 1), ("threads", 1)):
+        v = cfg.setdefault(k, low)
+        if not whole(v) or v < low:
+            raise ValueError(f"config.{k}: a whole number >= {low}, got {v!r}")
     modes = cfg.setdefault("modes", ["computation"])
     _modes(modes, "config.modes")
     if cfg.setdefault("backend", "reference") not in ("reference", "triton", "auto"):
@@ -113,7 +123,7 @@ def validate(cfg):
     for k in train:
         if k not in fields:
             raise ValueError(f"config.train: unknown field {k!r}; fields are {tuple(fields)}")
-    TrainConfig(**train).validate("config.train")
+    steps = TrainConfig(**train).validate("config.train").steps
     profiles = cfg.get("profiles")
     if not isinstance(profiles, list) or not profiles:
         raise ValueError("config.profiles: a list of node profiles ([[profiles]] tables)")
@@ -126,9 +136,18 @@ def validate(cfg):
         for k in p:
             if k not in pfields:
                 raise ValueError(f"{where}: unknown field {k!r}; fields are {sorted(pfields)}")
+        name = p.get("name")
+        if not isinstance(name, str) or not name or "/" in name or name != name.strip():
+            raise ValueError(f"{where}.name: a non-empty string without '/', got {name!r}")
         if "modes" in p:
             _modes(p["modes"], f"{where}.modes")
-        profile(p).validate(f"{where} ({p.get('name')})")
+        for k in ("scale", "noise"):
+            if k in p and not isinstance(p[k], list):
+                raise ValueError(f"{where} ({name}).{k}: [low, high], got {p[k]!r}")
+        prof = profile(p).validate(f"{where} ({name})")
+        if prof.rate > 0 and prof.onset >= steps:
+            raise ValueError(f"{where} ({name}).onset: {prof.onset} is not before train.steps "
+                             f"({steps}): the profile would never fire")
         if p["name"] in names:
             raise ValueError(f"{where}.name: {p['name']!r} appears twice")
         names.add(p["name"])
@@ -148,43 +167,132 @@ def profile(p):
     return Profile(**kw)
 
 
+def whole(v):
+    """A whole number (bool is not one)."""
+    return isinstance(v, int) and not isinstance(v, bool)
+
+
+def config_hash(cfg):
+    """The resolved config's identity: 12 hex digits of its canonical JSON."""
+    return hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:12]
+
+
+def fault_seed(seed, profile_name, k):
+    """The fault stream of one profile's trial k: derived from all three, so profiles differ."""
+    digest = hashlib.sha256(f"{seed}/{profile_name}/{k}".encode()).digest()
+    return int.from_bytes(digest[:6], "big")
+
+
 def trials(cfg):
-    """Every trial of the campaign, in a fixed order, each with a stable id."""
-    out = []
+    """Every trial of the campaign, in a fixed order, each with a stable id. ``seed`` is the data
+    (the same batches for every profile's trial k), ``fault_seed`` the profile's fault stream
+    (the same faults in every sync mode of one profile's trial k)."""
+    out, h = [], config_hash(cfg)
     for p in cfg["profiles"]:
         for mode in p.get("modes", cfg["modes"]):
             for k in range(cfg["seeds"]):
                 seed = cfg["seed"] * 1000 + k
                 out.append({"id": f"{p['name']}/{mode}/{seed}", "profile": profile(p), "mode": mode,
-                            "seed": seed, "backend": cfg["backend"]})
+                            "seed": seed, "fault_seed": fault_seed(cfg["seed"], p["name"], k),
+                            "backend": cfg["backend"], "threads": cfg["threads"], "campaign": h})
     return out
 
 
-def done_ids(out):
-    ids = set()
-    for path in glob.glob(os.path.join(out, "trials*.jsonl")):
+def _records(out, warn=True):
+    """(path, line number, record) of every whole record line in the run folder; a line that is
+    not a record is reported on stderr, never silently dropped."""
+    for path in sorted(glob.glob(os.path.join(out, "trials*.jsonl"))):
         with open(path, encoding="utf-8") as f:
-            for line in f:
-                line = line.strip()
-                if line:
-                    try:
-                        ids.add(json.loads(line)["id"])
-                    except (ValueError, KeyError):
-                        pass          # a line cut by an interruption: that trial runs again
-    return ids
+            for i, line in enumerate(f, 1):
+                if not line.strip():
+                    continue
+                try:
+                    rec = json.loads(line)
+                    rec["id"]
+                except (ValueError, KeyError, TypeError):
+                    if warn:
+                        print(f"abft eval: {path}:{i}: not a trial record, skipped",
+                              file=sys.stderr)
+                    continue
+                yield path, i, rec
+
+
+def done_ids(out, warn=True):
+    return {rec["id"] for _, _, rec in _records(out, warn)}
 
 
 def read_trials(out):
-    recs = {}
-    for path in sorted(glob.glob(os.path.join(out, "trials*.jsonl"))):
-        with open(path, encoding="utf-8") as f:
-            for line in f:
-                try:
-                    rec = json.loads(line)
-                    recs[rec["id"]] = rec
-                except (ValueError, KeyError):
-                    pass
+    """The run folder's trial records (one per id). Records of another campaign (another config
+    hash) are refused: a folder holds one campaign."""
+    recs, hashes = {}, set()
+    for path, _, rec in _records(out):
+        recs[rec["id"]] = rec
+        hashes.add(rec.get("campaign"))
+    if len(hashes) > 1:
+        raise ValueError(f"{out}: trials of {len(hashes)} different campaigns "
+                         f"({', '.join(sorted(map(str, hashes)))}); a run folder holds one")
     return list(recs.values())
+
+
+def repair(out):
+    """Cut a torn last line (an interrupted write) back to the last whole line, with a warning,
+    so a resume appends after a newline and loses nothing more."""
+    for path in sorted(glob.glob(os.path.join(out, "trials*.jsonl"))):
+        with open(path, "rb+") as f:
+            data = f.read()
+            if data and not data.endswith(b"\n"):
+                keep = data.rfind(b"\n") + 1
+                f.truncate(keep)
+                print(f"abft eval: {path}: a torn last line ({len(data) - keep} bytes) removed; "
+                      f"that trial runs again", file=sys.stderr)
+
+
+def _flat(d, prefix=""):
+    out = {}
+    for k, v in d.items():
+        key = f"{prefix}{k}"
+        if isinstance(v, dict):
+            out.update(_flat(v, key + "."))
+        elif isinstance(v, list) and v and all(isinstance(x, dict) for x in v):
+            for i, x in enumerate(v):
+                out.update(_flat(x, f"{key}[{i}]."))
+            out[key + ".len"] = len(v)
+        else:
+            out[key] = v
+    return out
+
+
+def differences(old, new):
+    """The dotted fields where two configs differ."""
+    a, b = _flat(old), _flat(new)
+    return sorted(k for k in set(a) | set(b) if a.get(k, "<unset>") != b.get(k, "<unset>"))
+
+
+class Busy(RuntimeError):
+    """Another process holds the run folder."""
+
+
+@contextlib.contextmanager
+def locked(out):
+    """Hold the run folder's ``lock.json`` (an exclusive lock) for the duration."""
+    import fcntl
+    import socket
+    path = os.path.join(out, "lock.json")
+    f = open(path, "a+", encoding="utf-8")
+    try:
+        try:
+            fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            f.seek(0)
+            holder = f.read().strip() or "another process"
+            raise Busy(f"{out}: in use by {holder}; wait for it, or stop it first") from None
+        f.seek(0)
+        f.truncate()
+        f.write(json.dumps({"pid": os.getpid(), "host": socket.gethostname()}) + "\n")
+        f.flush()
+        yield
+    finally:
+        f.close()            # closing releases the lock
 
 
 def append(path, rec):
@@ -213,9 +321,43 @@ class Progress:
 
 
 def write_config(cfg, out):
-    """The campaign's config, as JSON, in the run folder."""
-    with open(os.path.join(out, "config.json"), "w", encoding="utf-8") as f:
-        json.dump(cfg, f, indent=1)
+    """The campaign's config and its hash, as JSON, in the run folder."""
+    path = os.path.join(out, "config.json")
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump({"hash": config_hash(cfg), "config": cfg}, f, indent=1, sort_keys=True)
+    os.replace(path + ".tmp", path)
+
+
+def read_config(out):
+    """(hash, config) of the run folder's campaign, or (None, None)."""
+    try:
+        with open(os.path.join(out, "config.json"), encoding="utf-8") as f:
+            d = json.load(f)
+        return d["hash"], d["config"]
+    except FileNotFoundError:
+        return None, None
+    except (ValueError, KeyError, TypeError):
+        raise ValueError(f"{out}/config.json: not a campaign config written by abft eval") from None
+
+
+def prepare(cfg, out, resume=False):
+    """Check that the run folder can take this campaign; raises ValueError (another campaign's
+    folder, naming what differs), FileExistsError (trials there, no resume) or OSError."""
+    if os.path.exists(out) and not os.path.isdir(out):
+        raise NotADirectoryError(f"--out {out}: a file, not a folder")
+    os.makedirs(out, exist_ok=True)
+    if not os.access(out, os.W_OK | os.X_OK):
+        raise PermissionError(f"--out {out}: not writable")
+    has_trials = bool(glob.glob(os.path.join(out, "trials*.jsonl")))
+    if has_trials and not resume:
+        raise FileExistsError(f"{out} holds trials already: pass --resume, or another --out")
+    old_hash, old = read_config(out)
+    if has_trials and old is None:
+        raise ValueError(f"{out}: trials without config.json; not a folder abft eval can resume")
+    if has_trials and old_hash != config_hash(cfg):
+        diff = differences(old, cfg)
+        raise ValueError(f"{out}: --resume with another config (differs in: "
+                         f"{', '.join(diff) or 'its hash'}); use another --out")
 
 
 def run(cfg, out, resume=False, pairs=0, progress=True):
@@ -224,25 +366,41 @@ def run(cfg, out, resume=False, pairs=0, progress=True):
     ``pairs=0``: replica pairs in this process; ``pairs=N``: N distributed pairs (2N gloo ranks
     spawned on this machine, trials dealt round robin); under torchrun, the launched ranks.
     """
-    os.makedirs(out, exist_ok=True)
-    if not resume and glob.glob(os.path.join(out, "trials*.jsonl")):
-        raise FileExistsError(f"{out} holds trials already: pass --resume, or another --out")
-    write_config(cfg, out)
-    todo = [t for t in trials(cfg) if t["id"] not in done_ids(out)]
-    train = TrainConfig(**cfg["train"])
-    if todo and pairs:
-        from abft.eval import replicas
-        replicas.spawn_pairs(pairs, _DistRun(train, todo, out))
-    elif todo and os.environ.get("WORLD_SIZE") and int(os.environ["WORLD_SIZE"]) > 1:
-        _torchrun(train, todo, out)
-    elif todo:
-        base = pretrain(train)
-        bar = Progress(len(todo)) if progress else None
-        for t in todo:
-            append(os.path.join(out, "trials.jsonl"), run_trial(t, train, base))
-            if bar:
-                bar.tick(t["id"])
-    return read_trials(out)
+    if not whole(pairs) or pairs < 0:
+        raise ValueError(f"--pairs: a whole number >= 0, got {pairs!r}")
+    if os.environ.get("WORLD_SIZE") and int(os.environ["WORLD_SIZE"]) > 1:
+        _torchrun(cfg, out, resume)         # launched by torchrun: every rank runs this
+        return read_trials(out)
+    prepare(cfg, out, resume)
+    with locked(out):
+        repair(out)
+        write_config(cfg, out)
+        todo = [t for t in trials(cfg) if t["id"] not in done_ids(out)]
+        train = TrainConfig(**cfg["train"])
+        if todo and pairs:
+            from abft.eval import replicas
+            replicas.spawn_pairs(pairs, _DistRun(train, todo, out), threads=cfg["threads"])
+        elif todo:
+            with threads(cfg["threads"]):
+                base = pretrain(train)
+                bar = Progress(len(todo)) if progress else None
+                for t in todo:
+                    append(os.path.join(out, "trials.jsonl"), run_trial(t, train, base))
+                    if bar:
+                        bar.tick(t["id"])
+        return read_trials(out)
+
+
+@contextlib.contextmanager
+def threads(n):
+    """torch on ``n`` threads for the duration (results depend on the thread count)."""
+    import torch
+    old = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(old)
 
 
 class _DistRun:
@@ -270,13 +428,34 @@ class _DistRun:
         dist.barrier()          # every F rank has written before rank 0 reads the trials
 
 
-def _torchrun(train, todo, out):
+def _torchrun(cfg, out, resume):
+    """Under torchrun: rank 0 checks and prepares the folder (holding its lock), every rank
+    learns the outcome, then each pair runs its share."""
+    import torch
     import torch.distributed as dist
 
     from abft.eval.replicas import make_link
+    torch.set_num_threads(cfg["threads"])
     dist.init_process_group("gloo")
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
-        _DistRun(train, todo, out)(rank, make_link(rank, world))
+        with contextlib.ExitStack() as stack:
+            err, failure = [None], None
+            if rank == 0:
+                try:
+                    prepare(cfg, out, resume)
+                    stack.enter_context(locked(out))
+                    repair(out)
+                    write_config(cfg, out)
+                except (ValueError, OSError, Busy) as e:
+                    err, failure = [str(e)], e
+            dist.broadcast_object_list(err, src=0)
+            if failure is not None:
+                raise failure
+            if err[0] is not None:
+                raise RuntimeError(f"rank 0 refused the run folder: {err[0]}")
+            todo = [t for t in trials(cfg) if t["id"] not in done_ids(out, warn=rank == 0)]
+            if todo:
+                _DistRun(TrainConfig(**cfg["train"]), todo, out)(rank, make_link(rank, world))
     finally:
         dist.destroy_process_group()

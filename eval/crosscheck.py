@@ -4,16 +4,17 @@ Trials run at most one fault event per step, so a step's mismatches and alarms b
 event. Each event is a case:
 - ``detected``: a mismatch and an alarm;
 - ``missed``: a mismatch, no alarm (the detection gap), with its cause;
-- ``false_alarm``: an alarm, no mismatch (for a fault event: the corruption was real but changed
-  nothing the sync compares, e.g. a masked attention score in ``parameter`` mode);
+- ``alarm_no_mismatch``: an alarm on a real corruption that changed nothing the sync compares
+  (e.g. a masked attention score in ``parameter`` mode). Not a false alarm: there was a fault;
 - ``masked``: neither (the corruption changed nothing that the run computed);
 - ``not_applied``: the target never came (an optimizer moment before the first step).
-Alarms at steps without an event, and any alarm of the healthy replica, are false alarms.
-Without ground truth (a real node pair: ``events`` is None) the cases are the steps themselves,
-from mismatches and alarms alone.
+A false alarm is an alarm with no fault at all: at a step without an event, or on the healthy
+replica. Without ground truth (a real node pair: ``events`` is None) the cases are the steps
+themselves, from mismatches and alarms alone.
 
 Attribution: did an alarm name the event's module, its phase, and (one element) its place.
-Latency: steps from the event to its first alarm (0: the same step).
+Latency: from the event (step, micro-step) to the first alarm it causes, in steps and in
+micro-steps (``first_alarm``); ``report`` takes each distinct fault from its first event.
 """
 import collections
 import math
@@ -29,6 +30,18 @@ CAUSES = {
 }
 
 
+def _ratio(ev):
+    """The worst residual / threshold of the tiles the fault corrupted (None: not known)."""
+    rs = [r["ratio"] for r in ev["applied"] if r.get("ratio") is not None]
+    return max(rs) if rs else None
+
+
+def _changed(ev):
+    """Did the corruption change any value? (None counts as yes: a kernel-side fault, unseen.)"""
+    return bool(ev["applied"]) and any(r.get("changed", None) is None or r["changed"] > 0
+                                       for r in ev["applied"])
+
+
 def _cause(ev):
     site = ev["site"]
     if site in CAUSES:
@@ -41,8 +54,10 @@ def _cause(ev):
         if max((r.get("max_abs_error", 0.0) for r in ev["applied"]), default=0.0) > 1e30:
             return "a huge weight (above 1e30): the product is unverified, not alarmed"
         return "error below the threshold of the cached-checksum row check"
-    ratio = max((a.get("ratio", 0.0) for a in ev["applied"]), default=0.0)
-    return f"error below the threshold (residual/threshold {ratio:.2g})"
+    ratio = _ratio(ev)
+    if ratio is None:
+        return "error below the threshold"
+    return f"error below the threshold (its tiles' residual/threshold {ratio:.2g})"
 
 
 def _expected_phase(ev):
@@ -88,11 +103,10 @@ def cases(trial):
                             "unknown (no ground truth)", mismatches=len(m), alarms=len(a)))
         return out
     steps = {e["step"] for e in events}
+    micro_steps = trial.get("micro_steps", 1)
     for ev in events:
         s = ev["step"]
         m, a = by_step_m.get(s, []), by_step_a.get(s, [])
-        applied = bool(ev["applied"]) and (ev["site"] == "gemm_accumulator" or
-                                           any(r.get("changed", 0) for r in ev["applied"]))
         if not ev["applied"]:
             outcome = "not_applied"
         elif m and a:
@@ -100,17 +114,17 @@ def cases(trial):
         elif m:
             outcome = "missed"
         elif a:
-            outcome = "false_alarm"
+            outcome = "alarm_no_mismatch"
         else:
             outcome = "masked"
         sev = [x["severity_max"] for x in m if math.isfinite(x["severity_max"])]
-        c = dict(step=s, event=ev["id"], site=ev["site"], module=ev["module"], phase=ev["phase"],
-                 kind=ev["kind"], pattern=ev["pattern"], bits=ev["bits"],
-                 bit_class=bit_class(ev["bits"][0]) if ev["bits"] and ev["kind"] == "bitflip"
-                 else None, micro_step=ev["micro_step"], outcome=outcome, changed=applied,
+        flip = ev["bits"] and ev["kind"] in ("bitflip", "signflip")
+        c = dict(step=s, event=ev["id"], fault=ev.get("fault", ev["id"]), site=ev["site"],
+                 module=ev["module"], phase=ev["phase"], kind=ev["kind"], pattern=ev["pattern"],
+                 bits=ev["bits"], bit_class=bit_class(max(ev["bits"])) if flip else None,
+                 micro_step=ev["micro_step"], outcome=outcome, changed=_changed(ev),
                  mismatches=len(m), alarms=len(a), severity=max(sev) if sev else None,
-                 nonfinite=any(x["nonfinite"] for x in m),
-                 ratio=max((r.get("ratio", 0.0) for r in ev["applied"]), default=None),
+                 nonfinite=any(x["nonfinite"] for x in m), ratio=_ratio(ev),
                  cause=_cause(ev) if outcome == "missed" else None)
         if a:
             first = a[0]
@@ -118,12 +132,17 @@ def cases(trial):
                      module_ok=any(x["module"] == ev["module"] for x in a),
                      phase_ok=any(x["module"] == ev["module"] and x["phase"] == _expected_phase(ev)
                                   for x in a),
-                     located=_located(ev, first, m), latency=0)
+                     located=_located(ev, first, m))
             if ev["site"] == "weight_memory":
                 c["by"] = "cached weight checksums: " + c["by"]
+            after = [x for x in a if x.get("micro_step", 0) >= ev["micro_step"]] or a
+            hit = min((x["step"], x.get("micro_step", 0)) for x in after)
         else:
-            later = [x["step"] for x in trial["alarms"] if x["step"] > s and x["step"] not in steps]
-            c["latency"] = (min(later) - s) if later else None
+            later = [(x["step"], x.get("micro_step", 0)) for x in trial["alarms"]
+                     if x["step"] > s and x["step"] not in steps]
+            hit = min(later) if later else None
+        c["first_alarm"] = list(hit) if hit else None
+        c["latency"] = latency((s, ev["micro_step"]), hit, micro_steps)
         out.append(c)
     for s in sorted(set(by_step_a) - steps):
         out.append(dict(step=s, site=None, outcome="false_alarm", alarms=len(by_step_a[s]),
@@ -132,3 +151,11 @@ def cases(trial):
         out.append(dict(step=a["step"], site=None, outcome="false_alarm", replica="H", alarms=1,
                         mismatches=0, cause=None))
     return out
+
+
+def latency(start, hit, micro_steps):
+    """{"steps", "micro_steps"} from ``start`` to ``hit`` ((step, micro-step) pairs), or None."""
+    if hit is None:
+        return None
+    return {"steps": hit[0] - start[0],
+            "micro_steps": (hit[0] - start[0]) * micro_steps + hit[1] - start[1]}

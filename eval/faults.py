@@ -8,7 +8,10 @@ corruptions follows NVIDIA's gate-level study of GPU SDC (DSN'26): zeroing about
 outcomes, bit flips most of the rest, NaN/Inf about 1%, single-bit flips under 40% of flips.
 
 ``schedule`` draws a trial's ``FaultEvent`` list from a profile with a seeded RNG: at most one
-event per step, so every mismatch and alarm of a step belongs to that step's event. ``Armed``
+event per step, so every mismatch and alarm of a step belongs to that step's event. Events of one
+fault (a permanent unit firing every step, an intermittent burst) share its ``fault`` id. A
+permanent bit fault is stuck, not toggled: its first application flips the bits, every later one
+forces them to those values (``stuck``), so an already-stuck value stays as it is. ``Armed``
 installs one event on the faulty replica for the duration of one micro-step and records what was
 really corrupted (``event.applied``), which is the ground truth the cross-check scores against.
 
@@ -91,31 +94,32 @@ class Profile:
             for k, v in weights.items():
                 if k not in allowed:
                     raise ValueError(f"{where}.{name}: unknown {k!r}; one of {allowed}")
-                if not isinstance(v, (int, float)) or v < 0:
-                    raise ValueError(f"{where}.{name}.{k}: a weight >= 0, got {v!r}")
+                if not _number(v) or v < 0:
+                    raise ValueError(f"{where}.{name}.{k}: a finite weight >= 0, got {v!r}")
             if sum(weights.values()) <= 0:
                 raise ValueError(f"{where}.{name}: the weights sum to 0")
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"{where}.name: a non-empty string")
-        if not isinstance(self.rate, (int, float)) or not 0 <= self.rate <= 1:
+        if not _number(self.rate) or not 0 <= self.rate <= 1:
             raise ValueError(f"{where}.rate: a probability in [0, 1], got {self.rate!r}")
         if self.timing not in TIMINGS:
             raise ValueError(f"{where}.timing: one of {TIMINGS}, got {self.timing!r}")
         for name in ("onset", "burst", "quiet"):
             v = getattr(self, name)
-            if not isinstance(v, int) or v < 0 or (name == "burst" and v < 1):
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0 or (name == "burst" and v < 1):
                 raise ValueError(f"{where}.{name}: a whole number >= {int(name == 'burst')}, got {v!r}")
         check("sites", self.sites, SITES)
         check("kinds", self.kinds, KINDS)
         check("bits", self.bits, BIT_CLASSES)
         check("patterns", self.patterns, PATTERNS)
         check("phases", self.phases, PHASES)
-        if not 0 <= self.multi_bit <= 1:
+        if not _number(self.multi_bit) or not 0 <= self.multi_bit <= 1:
             raise ValueError(f"{where}.multi_bit: a probability in [0, 1], got {self.multi_bit!r}")
         for name in ("scale", "noise"):
-            v = tuple(getattr(self, name))
-            if len(v) != 2 or not 0 < v[0] <= v[1]:
-                raise ValueError(f"{where}.{name}: [low, high] with 0 < low <= high, got {v!r}")
+            v = getattr(self, name)
+            if not isinstance(v, (list, tuple)) or len(v) != 2 or not all(map(_number, v)) \
+                    or not 0 < v[0] <= v[1]:
+                raise ValueError(f"{where}.{name}: [low, high], finite, 0 < low <= high, got {v!r}")
         return self
 
 
@@ -137,9 +141,26 @@ class FaultEvent:
     param: str = None    # weight_memory, optimizer_state, gradient_comm, gemm_output/grad_weight
     state: str = None    # optimizer_state: exp_avg | exp_avg_sq
     applied: list = field(default_factory=list)
+    fault: int = None    # the distinct fault this event belongs to (its first event's id)
+    timing: str = "transient"
+    shared: dict = field(default=None, repr=False, compare=False)   # one stuck fault's memory
+
+    @property
+    def stuck_bits(self):
+        """A permanent bit fault's bits are stuck (set or cleared), not toggled."""
+        return self.timing == "permanent" and self.kind in ("bitflip", "signflip")
 
     def to_dict(self):
-        return asdict(self)
+        d = asdict(self)
+        shared = d.pop("shared") or {}
+        if self.stuck_bits:
+            d["stuck"] = shared.get("value")
+        return d
+
+
+def _number(v):
+    """A finite int or float (bool is not a number here)."""
+    return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
 
 def _pick(rng, weights):
@@ -226,19 +247,22 @@ def schedule(profile, steps, micro_steps, tg, seed):
         while s < steps:
             on += [t for t in range(s, min(s + profile.burst, steps)) if rng.random() < profile.rate]
             s += profile.burst + max(1, round(rng.expovariate(1 / max(profile.quiet, 1))))
-    events, fixed = [], None
+    events, fixed, shared = [], None, {}
     for i, s in enumerate(on):
+        fault = i
         if profile.timing == "permanent":
             fixed = fixed or _draw(profile, rng, tg, micro_steps)     # one stuck unit
-            ev = dict(fixed)
+            ev, fault = dict(fixed), 0
         elif profile.timing == "intermittent" and events and s - events[-1].step == 1:
             ev = dict(_draw(profile, rng, tg, micro_steps))           # a burst: same unit,
             last = events[-1]                                         # a new corruption
             ev.update(site=last.site, module=last.module, phase=last.phase, param=last.param,
                       state=last.state, micro_step=last.micro_step)
+            fault = last.fault
         else:
             ev = _draw(profile, rng, tg, micro_steps)
-        events.append(FaultEvent(id=i, step=s, **ev))
+        events.append(FaultEvent(id=i, step=s, fault=fault, timing=profile.timing,
+                                 shared=shared if profile.timing == "permanent" else {}, **ev))
     return events
 
 
@@ -258,6 +282,8 @@ def injection(ev, shape, dtype):
         bits = tuple(ev.bits)
         if ev.kind == "signflip":
             bits = (torch.finfo(dtype).bits - 1,)
+        if ev.stuck_bits:          # decided at the first application, then kept
+            return _hook.Injection(kind="stuck", bit=bits, value=(ev.shared or {}).get("value"), **kw)
         return _hook.Injection(kind="bitflip", bit=bits, **kw)
     if ev.kind == "zero":
         return _hook.Injection(kind="zero", **kw)
@@ -270,7 +296,8 @@ def injection(ev, shape, dtype):
 
 
 def _record(ev, shape, inj, before=None, after=None):
-    rec = {"shape": list(shape), "row": inj.row, "col": inj.col}
+    rec = {"shape": list(shape), "row": inj.row, "col": inj.col, "pattern": inj.pattern,
+           "size": list(inj.size)}
     if before is not None:
         d = (after.double() - before.double()).abs()
         changed = (after.view(torch.int32) != before.view(torch.int32)) if after.dtype == torch.float32 \
@@ -289,8 +316,15 @@ def corrupt(ev, t):
     before = t.detach().clone()
     with torch.no_grad():
         inj.apply(view, None)
+    _remember(ev, inj)
     _record(ev, t.shape, inj, before, t.detach())
     return t
+
+
+def _remember(ev, inj):
+    """A stuck fault keeps the values its first application forced."""
+    if ev.stuck_bits and inj.value is not None and ev.shared is not None:
+        ev.shared.setdefault("value", int(inj.value))
 
 
 class _Replace(torch.autograd.Function):
@@ -304,6 +338,22 @@ class _Replace(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g):
         return g, None
+
+
+def fault_tiles(verdict, rec, tiles):
+    """The verdict records of the tiles the fault ``rec`` (an ``applied`` record) corrupted: the
+    first batch element's, rows and columns from the fault's pattern."""
+    v = verdict.reshape(-1, *verdict.shape[-3:])[0]
+    if tiles is None:
+        return v
+    bm, bn = tiles
+    m, n = rec["shape"][-2] if len(rec["shape"]) >= 2 else 1, rec["shape"][-1]
+    pattern, size = rec.get("pattern", "element"), rec.get("size") or (1, 1)
+    r0, c0 = rec["row"], rec["col"]
+    rows = (0, m) if pattern == "column" else (r0, r0 + (size[0] if pattern == "tile" else 1))
+    cols = (0, n) if pattern == "row" else (c0, n) if pattern == "strided" else \
+        (c0, c0 + (size[1] if pattern == "tile" else 1))
+    return v[rows[0] // bm:(rows[1] - 1) // bm + 1, cols[0] // bn:(cols[1] - 1) // bn + 1]
 
 
 class Armed:
@@ -337,8 +387,10 @@ class Armed:
             return False
         if ctx.labels.get("replica") != "F":
             return False
-        inj = injection(self.ev, ctx.shape, ctx.dtype)
         slot = self.hook.injection
+        if slot.kind == "stuck":
+            _remember(self.ev, slot)          # decided by an earlier call of this micro-step
+        inj = injection(self.ev, ctx.shape, ctx.dtype)
         for name in ("pattern", "kind", "row", "col", "bit", "value", "size", "stride"):
             setattr(slot, name, getattr(inj, name))
         _record(self.ev, ctx.shape, inj)
@@ -369,9 +421,13 @@ class Armed:
         self.handles = []
         if self.hook is not None:
             self.hook.stop()
+            if self.hook.injection.kind == "stuck":
+                _remember(self.ev, self.hook.injection)
             for ctx, rec in zip(self.hook.hits, self.ev.applied):
+                rec["changed"] = ctx.changed          # None: the kernel corrupted it, unseen
                 v = ctx.verdict
-                if v is not None:   # the check's worst residual / threshold on this product
+                if v is not None:   # the worst residual / threshold of the tiles it corrupted
+                    v = fault_tiles(v, rec, ctx.tiles)
                     rec["ratio"] = float(torch.maximum(v[..., L.ROW_RATIO], v[..., L.COL_RATIO]).max())
                     rec["status"] = float(v[..., L.STATUS].max())
             self.hook = None

@@ -44,10 +44,12 @@ class TrainConfig:
     def validate(self, where="train"):
         for k, v in asdict(self).items():
             if k == "lr":
-                if not isinstance(v, (int, float)) or not v > 0:
-                    raise ValueError(f"{where}.lr: a number > 0, got {v!r}")
-            elif not isinstance(v, int) or v < (0 if k in ("seed", "pretrain_steps") else 1):
-                raise ValueError(f"{where}.{k}: a whole number >= 1, got {v!r}")
+                if not F._number(v) or not v > 0:
+                    raise ValueError(f"{where}.lr: a finite number > 0, got {v!r}")
+                continue
+            low = 0 if k in ("seed", "pretrain_steps") else 1
+            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+                raise ValueError(f"{where}.{k}: a whole number >= {low}, got {v!r}")
         if self.dim % self.heads:
             raise ValueError(f"{where}.dim: a multiple of heads ({self.heads}), got {self.dim}")
         if self.batch % self.micro_steps:
@@ -152,7 +154,7 @@ def run_trial(trial, cfg, base, link=None, role=None):
     roles = ("H", "F") if local else (role,)
     reps = {r: Replica(r, cfg, base, Sync(r, link, mode, trial.get("modules"))) for r in roles}
     events = F.schedule(prof, cfg.steps, cfg.micro_steps, F.targets(reps[roles[0]].model),
-                        seed)
+                        trial.get("fault_seed", seed))
     t0 = time.perf_counter()
     with abft.config(policy="record", backend=trial.get("backend", "reference")):
         for s in range(cfg.steps):
@@ -181,7 +183,16 @@ def run_trial(trial, cfg, base, link=None, role=None):
         "grad_deviation": f.dev, "param_divergence": f.div,
         "accuracy_healthy": hs["accuracy"], "accuracy_faulty": f.accuracy(),
         "wall_s": wall, "rank": int(os.environ.get("RANK", 0)),
+        "campaign": trial.get("campaign"), "fault_seed": trial.get("fault_seed", seed),
+        "env": environment(trial.get("backend", "reference")),
     }
+
+
+def environment(backend):
+    """What a record's figures depend on: torch, its thread count, the backend, the host."""
+    import platform
+    return {"torch": torch.__version__, "threads": torch.get_num_threads(), "backend": backend,
+            "host": platform.node(), "python": platform.python_version()}
 
 
 def _alarm(a):
@@ -205,12 +216,29 @@ def dist_worker(rank, world, port, run, threads=1):
     import torch.distributed as dist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world))
+    die_with_parent()
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
         run(rank, make_link(rank, world))
     finally:
         dist.destroy_process_group()
+
+
+def die_with_parent():
+    """Have the kernel kill this process when its parent dies (Linux), so a killed ``abft eval``
+    leaves no rank running on (and writing into) its run folder."""
+    import ctypes
+    import signal
+    import sys
+    if not sys.platform.startswith("linux"):
+        return
+    parent = os.getppid()
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.prctl(1, int(signal.SIGKILL), 0, 0, 0) != 0:      # PR_SET_PDEATHSIG
+        raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
+    if os.getppid() != parent:            # the parent died before the call took effect
+        os._exit(1)
 
 
 def make_link(rank, world):

@@ -11,10 +11,11 @@ import json
 import math
 import os
 
-from abft.eval.crosscheck import cases
+from abft.eval.crosscheck import cases, latency
 from abft.eval.faults import SITES
 
-OUTCOMES = ("detected", "missed", "masked", "false_alarm", "not_applied")
+OUTCOMES = ("detected", "missed", "masked", "alarm_no_mismatch", "not_applied")
+OUTCOME_NAMES = ("detected", "missed", "masked", "alarm, no mismatch", "not applied")
 
 
 def _rate(c):
@@ -22,17 +23,25 @@ def _rate(c):
     return c["detected"] / n if n else None
 
 
+def fault_key(trial, case):
+    """A distinct fault: the same fault drawn in two sync modes, or firing at several steps, is
+    one fault (its profile's fault stream, trial and fault id)."""
+    return trial["profile"], trial.get("fault_seed", trial["seed"]), case["fault"]
+
+
 def summarize(trials):
     """The report as a dict (what report.json holds)."""
     per_site = {s: collections.Counter() for s in SITES}
+    faults_site = {s: {} for s in SITES}            # distinct fault -> detected anywhere
     per_profile = collections.defaultdict(collections.Counter)
     per_class = collections.defaultdict(collections.Counter)
     per_bit = collections.defaultdict(collections.Counter)
+    per_nbits = collections.defaultdict(collections.Counter)
     causes = collections.defaultdict(collections.Counter)
     by = collections.Counter()
     located = collections.Counter()
-    latency = []
-    false_alarms = 0
+    first = {}                                      # (trial, fault) -> (first event, first alarm)
+    false_alarms = {"alarms": 0, "steps": 0, "healthy_replica": 0}
     all_cases = []
     for t in trials:
         if t["mode"] == "none":
@@ -41,45 +50,68 @@ def summarize(trials):
             c["trial"], c["profile"] = t["id"], t["profile"]
             all_cases.append(c)
             if c["site"] is None:
-                false_alarms += c["outcome"] == "false_alarm"
+                if c["outcome"] == "false_alarm":
+                    false_alarms["alarms"] += c["alarms"]
+                    false_alarms["steps"] += c.get("replica") != "H"
+                    false_alarms["healthy_replica"] += c.get("replica") == "H"
                 continue
-            per_site[c["site"]][c["outcome"]] += 1
-            per_profile[t["profile"]][c["outcome"]] += 1
+            site, out = c["site"], c["outcome"]
+            per_site[site][out] += 1
+            key = fault_key(t, c)
+            faults_site[site][key] = faults_site[site].get(key, False) or out == "detected"
+            per_profile[t["profile"]][out] += 1
             if c.get("bit_class"):
-                per_class[(c["site"], c["bit_class"])][c["outcome"]] += 1
-                for b in c["bits"]:
-                    per_bit[(c["site"], b)][c["outcome"]] += 1
-            if c["outcome"] == "missed":
-                causes[c["site"]][c["cause"]] += 1
-            if c["outcome"] == "detected":
-                by[(c["site"], c["by"].split(":")[0] if c["site"] == "weight_memory" else "checksum")] += 1
+                per_class[(site, c["bit_class"])][out] += 1
+                per_nbits[(site, len(c["bits"]))][out] += 1
+                if len(c["bits"]) == 1:             # a multi-bit flip is no one bit's figure
+                    per_bit[(site, c["bits"][0])][out] += 1
+            if out == "missed":
+                causes[site][c["cause"]] += 1
+            if out == "detected":
+                by[(site, c["by"].split(":")[0] if site == "weight_memory" else "checksum")] += 1
                 if c.get("located") is not None:
                     located[{True: "yes", "row": "row"}.get(c["located"], "no")] += 1
-                latency.append(c["latency"])
+            start = (c["step"], c["micro_step"])
+            f = first.setdefault((t["id"], c["fault"]), [start, None, t.get("micro_steps", 1)])
+            f[0] = min(f[0], start)
+            if c.get("first_alarm"):
+                hit = tuple(c["first_alarm"])
+                f[1] = hit if f[1] is None else min(f[1], hit)
+    lat = [latency(s0, hit, ms) for s0, hit, ms in first.values() if hit is not None]
     acc_detect = [c for c in all_cases if c.get("site") == "gemm_accumulator"
                   and c["outcome"] in ("detected", "missed")]
     above = [c for c in acc_detect if (c.get("ratio") or 0) > 1 or c["outcome"] == "detected"]
     mism = [m for t in trials if t["mode"] != "none" for m in t["mismatches"]]
     null = [t for t in trials if not t["events"]]
+    sites = {}
+    for site, c in per_site.items():
+        d = {o: c.get(o, 0) for o in OUTCOMES}
+        d.update(faults=len(faults_site[site]), events=sum(d.values()),
+                 faults_detected=sum(faults_site[site].values()), rate=_rate(c))
+        sites[site] = d
     return {
         "trials": len(trials),
         "null": {"trials": len(null), "mismatches": sum(len(t["mismatches"]) for t in null),
                  "alarms": sum(len(t["alarms"]) + len(t["alarms_healthy"]) for t in null)},
-        "per_site": {s: dict(c, rate=_rate(c)) for s, c in per_site.items() if c},
+        "per_site": sites,
         "per_profile": {p: dict(c, rate=_rate(c)) for p, c in per_profile.items()},
         "per_bit_class": {f"{s}/{b}": dict(c, rate=_rate(c)) for (s, b), c in sorted(per_class.items())},
         "per_bit": {f"{s}/{b}": dict(c, rate=_rate(c)) for (s, b), c in sorted(per_bit.items())},
+        "per_bit_count": {f"{s}/{n}": dict(c, rate=_rate(c)) for (s, n), c in sorted(per_nbits.items())},
         "causes": {s: dict(c) for s, c in causes.items()},
         "detected_by": {f"{s}/{k}": n for (s, k), n in by.items()},
         "accumulator_above_threshold": {"faults": len(above),
                                         "detected": sum(c["outcome"] == "detected" for c in above)},
         "located": dict(located),
-        "latency_steps_max": max(latency) if latency else None,
+        "latency": {"faults_alarmed": len(lat),
+                    "steps_max": max((x["steps"] for x in lat), default=None),
+                    "micro_steps_max": max((x["micro_steps"] for x in lat), default=None),
+                    "micro_steps_median": _median([x["micro_steps"] for x in lat])},
         "false_alarms": false_alarms,
         "mismatch_frequency_max": max((m["frequency"] for m in mism), default=0.0),
         "severity_median": _median([m["severity_max"] for m in mism if math.isfinite(m["severity_max"])]),
-        "grad_deviation_max": max((d for t in trials for d in t["grad_deviation"]
-                                   if math.isfinite(d)), default=0.0),
+        "grad_deviation_max": max((d for t in trials if t["mode"] == "parameter"
+                                   for d in t["grad_deviation"] if math.isfinite(d)), default=None),
         "free_running": [{"trial": t["id"], "accuracy_healthy": t["accuracy_healthy"],
                           "accuracy_faulty": t["accuracy_faulty"],
                           "param_divergence_final": t["param_divergence"][-1] if t["param_divergence"] else None,
@@ -106,52 +138,83 @@ def _pct(x):
     return "–" if x is None else f"{100 * x:.0f}%"
 
 
+PLOTS = {
+    "mismatches_per_step.png": "mismatch frequency per step, worst submodule, per node "
+                               "(computation-level sync)",
+    "severity.png": "severity of the faults that changed the run, per site",
+    "detection_by_bit.png": "detection rate against the bit flipped (single-bit flips)",
+    "gradient_deviation.png": "gradient deviation per step (parameter-level sync)",
+    "divergence_and_loss.png": "parameter divergence and both loss curves, free running",
+}
+
+
 def markdown(s):
+    fa = s["false_alarms"]
+    lat = s["latency"]
     lines = ["# abft detection coverage", "",
              f"{s['trials']} trials. Null campaign (no faults): {s['null']['trials']} trial(s), "
-             f"{s['null']['mismatches']} mismatches, {s['null']['alarms']} alarms. "
-             f"False alarms in all trials: {s['false_alarms']}.", "",
+             f"{s['null']['mismatches']} mismatches, {s['null']['alarms']} alarms.",
+             f"False alarms (alarms with no fault at all): {fa['alarms']} alarm(s) at "
+             f"{fa['steps']} fault-free step(s) of the faulty replica, {fa['healthy_replica']} on "
+             f"the healthy replica.", "",
              "## Coverage per site", "",
-             "| site | faults | detected | missed | masked | false alarm | not applied | detection rate |",
-             "|---|---|---|---|---|---|---|---|"]
+             "A fault is one faulty unit (counted once across sync modes and steps); an event is "
+             "one firing of it in one trial. Outcomes count events.", "",
+             "| site | faults | events | " + " | ".join(OUTCOME_NAMES)
+             + " | detection rate | faults detected |",
+             "|---|---|---|" + "---|" * len(OUTCOMES) + "---|---|"]
     for site, c in s["per_site"].items():
-        n = sum(c.get(o, 0) for o in OUTCOMES)
-        lines.append(f"| {site} | {n} | " + " | ".join(str(c.get(o, 0)) for o in OUTCOMES)
-                     + f" | {_pct(c['rate'])} |")
+        lines.append(f"| {site} | {c['faults']} | {c['events']} | "
+                     + " | ".join(str(c[o]) for o in OUTCOMES)
+                     + f" | {_pct(c['rate'])} | {c['faults_detected']}/{c['faults']} |")
     a = s["accumulator_above_threshold"]
-    lines += ["", f"GEMM-accumulator faults above the threshold: {a['detected']}/{a['faults']} detected. "
-              f"Detection rate = detected / (detected + missed): faults that changed the run.", "",
-              "## Missed, and why", "", "| site | cause | cases |", "|---|---|---|"]
+    lines += ["", "Detection rate = detected / (detected + missed): events that changed the run. "
+              "\"alarm, no mismatch\": a real corruption alarmed that changed nothing the sync "
+              "compares (not a false alarm).", "",
+              f"GEMM-accumulator events above the threshold: {a['detected']}/{a['faults']} detected.",
+              "", "## Missed, and why", "", "| site | cause | events |", "|---|---|---|"]
     for site, cs in s["causes"].items():
         for cause, n in sorted(cs.items(), key=lambda x: -x[1]):
             lines.append(f"| {site} | {cause} | {n} |")
-    lines += ["", "## Detected by", "", "| site / check | cases |", "|---|---|"]
+    lines += ["", "## Detected by", "", "| site / check | events |", "|---|---|"]
     lines += [f"| {k} | {n} |" for k, n in sorted(s["detected_by"].items())]
     lines += ["", f"Located (one-element faults, the alarm's row and column): "
               f"{s['located'].get('yes', 0)} at the element, {s['located'].get('row', 0)} at its row "
-              f"only (its column sum stayed under the threshold), {s['located'].get('no', 0)} wrong. "
-              f"Worst detection latency: {s['latency_steps_max']} steps.",
-              "", "## Per bit class (bit flips)", "",
-              "| site / bit class | detected | missed | masked | rate |", "|---|---|---|---|---|"]
-    for k, c in s["per_bit_class"].items():
-        lines.append(f"| {k} | {c.get('detected', 0)} | {c.get('missed', 0)} | {c.get('masked', 0)} "
-                     f"| {_pct(c['rate'])} |")
-    lines += ["", "## Per node profile", "", "| profile | detected | missed | masked | rate |",
-              "|---|---|---|---|---|"]
-    for p, c in s["per_profile"].items():
-        lines.append(f"| {p} | {c.get('detected', 0)} | {c.get('missed', 0)} | {c.get('masked', 0)} "
-                     f"| {_pct(c['rate'])} |")
-    lines += ["", "## What the faults did (Ma et al. 2025 metrics)", "",
+              f"only (its column sum stayed under the threshold), {s['located'].get('no', 0)} wrong.",
+              "", f"Detection latency, from a fault's first event to its first alarm "
+              f"({lat['faults_alarmed']} fault(s) alarmed): worst {_fmt(lat['steps_max'])} step(s) "
+              f"({_fmt(lat['micro_steps_max'])} micro-step(s)), median "
+              f"{_fmt(lat['micro_steps_median'])} micro-step(s).",
+              "", "## What the faults did (Ma et al. 2025 metrics)", "",
               f"- worst mismatch frequency (mismatched / all elements of a submodule at a step): "
               f"{s['mismatch_frequency_max']:.3g}",
               f"- median severity (relative difference of mismatched elements): "
               f"{_fmt(s['severity_median'])}",
-              f"- worst gradient deviation |g_F - g_H| / |g_H|: {s['grad_deviation_max']:.3g}"]
+              f"- worst gradient deviation |g_F - g_H| / |g_H| under parameter-level sync: "
+              f"{_fmt(s['grad_deviation_max'])}"]
     for f in s["free_running"]:
         lines.append(f"- free running {f['trial']}: accuracy healthy {_pct(f['accuracy_healthy'])}, "
                      f"faulty {_pct(f['accuracy_faulty'])}; final parameter divergence "
                      f"{_fmt(f['param_divergence_final'])}; non-finite faulty losses "
                      f"{f['loss_faulty_nonfinite']}")
+    lines += ["", "## Per node profile", "", "| profile | detected | missed | masked | rate |",
+              "|---|---|---|---|---|"]
+    for p, c in s["per_profile"].items():
+        lines.append(f"| {p} | {c.get('detected', 0)} | {c.get('missed', 0)} | {c.get('masked', 0)} "
+                     f"| {_pct(c['rate'])} |")
+    lines += ["", "## Per bit class (bit flips; a multi-bit flip by its highest bit)", "",
+              "| site / bit class | detected | missed | masked | rate |", "|---|---|---|---|---|"]
+    for k, c in s["per_bit_class"].items():
+        lines.append(f"| {k} | {c.get('detected', 0)} | {c.get('missed', 0)} | {c.get('masked', 0)} "
+                     f"| {_pct(c['rate'])} |")
+    lines += ["", "| site / bits flipped at once | detected | missed | masked | rate |",
+              "|---|---|---|---|---|"]
+    for k, c in s["per_bit_count"].items():
+        lines.append(f"| {k} | {c.get('detected', 0)} | {c.get('missed', 0)} | {c.get('masked', 0)} "
+                     f"| {_pct(c['rate'])} |")
+    if s.get("plots"):
+        lines += ["", "## Plots", ""]
+        lines += [f"- `{n}`: {PLOTS.get(n, '')}" for n in s["plots"]]
     return "\n".join(lines) + "\n"
 
 
@@ -174,15 +237,20 @@ def plots(trials, s, out):
 
     comp = [t for t in trials if t["mode"] == "computation"]
     fig, ax = plt.subplots(figsize=(7, 3.6))
+    ys = []
     for t in comp:
-        counts = collections.Counter()
+        worst = collections.defaultdict(float)
         for m in t["mismatches"]:
-            counts[m["step"]] += m["mismatched"]
-        ax.plot(range(t["steps"]), [counts.get(i, 0) for i in range(t["steps"])], marker=".",
-                label=t["profile"])
-    ax.set(xlabel="step", ylabel="mismatched elements (all sync points)", yscale="symlog",
-           title="Mismatches per step, per node (computation-level sync)")
-    ax.legend(fontsize=7)
+            if m["point"] in ("forward", "backward"):
+                worst[m["step"]] = max(worst[m["step"]], m["frequency"])
+        y = [worst.get(i, 0.0) for i in range(t["steps"])]
+        ys += y
+        ax.plot(range(t["steps"]), y, marker=".", label=t["profile"])
+    _zero_log(ax, ys)
+    ax.set(xlabel="step", ylabel="mismatch frequency (worst submodule)",
+           title="Mismatch frequency per step, per node (computation-level sync)")
+    if ax.lines:
+        ax.legend(fontsize=7)
     save(fig, "mismatches_per_step.png")
 
     fig, ax = plt.subplots(figsize=(7, 3.6))
@@ -211,10 +279,13 @@ def plots(trials, s, out):
     save(fig, "detection_by_bit.png")
 
     fig, ax = plt.subplots(figsize=(7, 3.6))
+    ys = []
     for t in trials:
         if t["mode"] == "parameter":
-            ax.plot([max(d, 1e-12) for d in t["grad_deviation"]], marker=".", label=t["profile"])
-    ax.set(xlabel="step", ylabel="|g_F - g_H| / |g_H|", yscale="log",
+            ys += t["grad_deviation"]
+            ax.plot([_plottable(d) for d in t["grad_deviation"]], marker=".", label=t["profile"])
+    _zero_log(ax, ys)
+    ax.set(xlabel="step", ylabel="|g_F - g_H| / |g_H|",
            title="Gradient deviation (parameter-level sync)")
     if ax.lines:
         ax.legend(fontsize=7)
@@ -222,8 +293,10 @@ def plots(trials, s, out):
 
     free = [t for t in trials if t["mode"] == "none"]
     fig, (a1, a2) = plt.subplots(1, 2, figsize=(9, 3.6))
+    ys = []
     for t in free:
-        line, = a1.plot([max(d, 1e-12) for d in t["param_divergence"]], label=t["profile"])
+        ys += t["param_divergence"]
+        line, = a1.plot([_plottable(d) for d in t["param_divergence"]], label=t["profile"])
         bad = [i for i, d in enumerate(t["param_divergence"]) if not math.isfinite(d)]
         if bad:
             a1.axvline(bad[0], color=line.get_color(), linestyle=":",
@@ -231,13 +304,25 @@ def plots(trials, s, out):
         a2.plot(t["loss_healthy"], label=f"{t['profile']} healthy", linestyle="--")
         a2.plot([x if math.isfinite(x) else float("nan") for x in t["loss_faulty"]],
                 label=f"{t['profile']} faulty")
-    a1.set(xlabel="step", ylabel="|θ_F - θ_H| / |θ_H|", yscale="log", title="Parameter divergence")
+    _zero_log(a1, ys)
+    a1.set(xlabel="step", ylabel="|θ_F - θ_H| / |θ_H|", title="Parameter divergence")
     a2.set(xlabel="step", ylabel="loss", yscale="log", title="Loss, free running")
     if free:
         a1.legend(fontsize=7)
         a2.legend(fontsize=7)
     save(fig, "divergence_and_loss.png")
     return names
+
+
+def _plottable(x):
+    return x if math.isfinite(x) else float("nan")
+
+
+def _zero_log(ax, ys):
+    """A log axis that draws an exact 0 as 0 (symlog, linear below the smallest nonzero value),
+    never as a made-up small number."""
+    pos = [abs(y) for y in ys if math.isfinite(y) and y != 0]
+    ax.set_yscale("symlog", linthresh=min(pos) if pos else 1.0)
 
 
 def build(out, trials=None):

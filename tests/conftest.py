@@ -17,6 +17,11 @@ def _clean_abft():
     abft.reset()
 
 
+def pytest_configure(config):
+    config.addinivalue_line("markers", "slow: minutes under the interpreter; `make test-slow` runs "
+                                       "them, `make test` leaves them out")
+
+
 def pytest_addoption(parser):
     parser.addoption("--stress-seed", type=int, default=None,
                      help="replay the fresh-seed stress test with this seed")

@@ -32,7 +32,7 @@ def _assert_clean(case, seed, bm, bn):
     assert (v[..., L.STATUS] == L.OK).all()
 
 
-@pytest.mark.parametrize("seed", [0, 1])
+@pytest.mark.parametrize("seed", [0, pytest.param(1, marks=pytest.mark.slow)])
 def test_no_false_alarm_fixed_seeds(seed):
     for case in CASES:
         for bm, bn in ((32, 32), (256, 256), (48, 17)):

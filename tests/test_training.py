@@ -99,6 +99,7 @@ def test_llama_trains_with_every_gemm_checked_and_no_alarm():
     _gate(model, data, ("fp32", "bf16", "fp16"), 8, batch=16, seq=64, layers=2)
 
 
+@pytest.mark.slow          # about 5 minutes under the interpreter on 2 cores
 @pytest.mark.skipif(os.environ.get("TRITON_INTERPRET", "") in ("", "0") and not torch.cuda.is_available(),
                     reason="needs TRITON_INTERPRET=1 or a GPU")
 def test_llama_on_the_fused_kernel_has_no_alarm():
