@@ -60,7 +60,7 @@ def _eval(args):
         return 0
     s = report.build(args.out)
     text = report.markdown(s)
-    print(text[:text.index("## Per bit class")] if not args.full else text)
+    print(text if args.full else report.terminal(text))
     print(f"run folder: {args.out} (report.md, report.json, {len(s['plots'])} plots, trials.jsonl)")
     return 0
 

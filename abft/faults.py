@@ -5,7 +5,9 @@ inside the GEMM would, so tests and the evaluation exercise the path a real faul
     ...     c = abft.matmul(a, b)          # C[3, 5] has bit 30 flipped before the check
 
 Patterns: ``element`` (row, col), ``row``, ``column``, ``tile`` (bm x bn from row, col),
-``strided`` (row, every ``stride``-th column from col: a warp-aligned repeat).
+``strided`` (row, every ``stride``-th column from col: a warp-aligned repeat), ``periodic``
+(row, runs of ``size[1]`` consecutive columns every ``stride`` from col: the repeating groups
+of wrong elements seen on faulty GPUs).
 Kinds: ``bitflip`` (bit of the stored dtype, or a tuple of bits), ``stuck`` (those bits forced:
 ``value`` is the int mask of the ones among them, the rest cleared; ``None`` decides at the first
 application, as the complement of the first corrupted element's bits, and keeps it), ``value``
@@ -22,7 +24,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-PATTERNS = ("element", "row", "column", "tile", "strided")
+PATTERNS = ("element", "row", "column", "tile", "strided", "periodic")
 KINDS = ("bitflip", "stuck", "value", "add", "scale", "zero")
 
 _INT_VIEW = {torch.float64: torch.int64, torch.float32: torch.int32,
@@ -41,6 +43,7 @@ class CallContext:
     verdict: object = None      # set after the check: the verdict tensor (for the evaluation)
     changed: int = None         # set by the injection: elements whose bits it changed
     tiles: tuple = None         # set after the check: the verdict's (rows, cols) per tile
+    operands: tuple = None      # (a, b) as the GEMM reads them, for value- or size-triggered faults
 
     @property
     def module(self):
@@ -91,6 +94,18 @@ class Injection:
         """Corrupt ``c`` (..., M, N) in place."""
         batch = tuple(self.batch) or (0,) * (c.dim() - 2)       # default: the first batch element
         target = c[batch] if batch else c
+        if self.pattern == "periodic":
+            n, changed = target.shape[-1], 0
+            for start in range(self.col, n, max(1, self.stride)):
+                run = Injection(**{**self.__dict__, "pattern": "tile", "col": start, "hits": [],
+                                   "batch": (), "size": (1, min(self.size[1], n - start))})
+                run.apply(target, ctx)
+                self.value = run.value              # a stuck value decided by the first run
+                changed += ctx.changed if ctx is not None else 0
+            if ctx is not None:
+                ctx.changed = changed
+            self.hits.append(ctx)
+            return
         rs, cs = self.index(target)
         view = target[..., rs, cs]
         if view.numel() == 0:

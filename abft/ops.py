@@ -174,7 +174,8 @@ def run_checked(pb, recompute, *, phase="forward", module=None):
         coverage.count(pb.op, labels.get("module"), "sampled_out")
         return None
     coverage.count(pb.op, labels.get("module"), "checked")
-    ctx = faults.CallContext(pb.op, phase, labels, call_id, pb.shape, pb.dtype)
+    ctx = faults.CallContext(pb.op, phase, labels, call_id, pb.shape, pb.dtype,
+                             operands=(pb.a, pb.b))
     pend = pb.verify(ctx, s)
     ctx.verdict, ctx.tiles = pend.verdict, (pend.info["bm"], pend.info["bn"])
     if s.policy in ("record", "warn"):

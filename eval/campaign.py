@@ -6,7 +6,9 @@ appended to ``trials.jsonl`` in the run folder at once (``trials-pair{p}.jsonl``
 distributed pairs write), so an interrupted campaign loses nothing and ``resume`` skips the trials
 already there. The resolved config is hashed into ``config.json`` and every record: a resume
 with another config is refused, naming what differs. ``lock.json`` keeps a second writer out.
-The run folder holds JSON, JSONL, TOML, Markdown and PNG only.
+Pretraining runs once per campaign (``pretrain.bin``, raw tensors, checked by the SHA-256 in
+``pretrain.json``). The run folder holds JSON, JSONL, TOML, Markdown, PNG and that raw file only:
+nothing is unpickled.
 
 Reproducible: each trial runs on ``threads`` torch threads (default 1) in-process and on every
 rank alike, so in-process and distributed campaigns agree bit for bit; each profile draws its
@@ -72,6 +74,15 @@ quiet = 4
 sites = { gemm_operand = 1.0, gemm_output = 1.0, nongemm_op = 1.0, gradient_comm = 1.0 }
 
 [[profiles]]
+name = "defective-unit"   # a permanent defect hit by some GEMM calls, any module and phase:
+rate = 1.0                # runs of 4 wrong elements every 32 columns (AEGIS)
+timing = "permanent"
+onset = 5
+per_gemm = 0.02
+sites = { gemm_accumulator = 1.0 }
+patterns = { periodic = 1.0 }
+
+[[profiles]]
 name = "stuck-exponent"   # a permanent fault from step 10: one unit's exponent MSB
 rate = 1.0
 timing = "permanent"
@@ -123,7 +134,8 @@ def validate(cfg):
     for k in train:
         if k not in fields:
             raise ValueError(f"config.train: unknown field {k!r}; fields are {tuple(fields)}")
-    steps = TrainConfig(**train).validate("config.train").steps
+    tc = TrainConfig(**train).validate("config.train")
+    steps, tg = tc.steps, None
     profiles = cfg.get("profiles")
     if not isinstance(profiles, list) or not profiles:
         raise ValueError("config.profiles: a list of node profiles ([[profiles]] tables)")
@@ -145,6 +157,10 @@ def validate(cfg):
             if k in p and not isinstance(p[k], list):
                 raise ValueError(f"{where} ({name}).{k}: [low, high], got {p[k]!r}")
         prof = profile(p).validate(f"{where} ({name})")
+        if prof.pin:
+            from abft.eval.faults import targets
+            tg = tg or targets(tc.model())
+            prof.check_targets(tg, tc.micro_steps, f"{where} ({name})")
         if prof.rate > 0 and prof.onset >= steps:
             raise ValueError(f"{where} ({name}).onset: {prof.onset} is not before train.steps "
                              f"({steps}): the profile would never fire")
@@ -377,18 +393,69 @@ def run(cfg, out, resume=False, pairs=0, progress=True):
         write_config(cfg, out)
         todo = [t for t in trials(cfg) if t["id"] not in done_ids(out)]
         train = TrainConfig(**cfg["train"])
+        base = pretrained(train, out, cfg["threads"]) if todo else None
         if todo and pairs:
             from abft.eval import replicas
-            replicas.spawn_pairs(pairs, _DistRun(train, todo, out), threads=cfg["threads"])
+            replicas.spawn_pairs(pairs, _DistRun(train, todo, out, cfg["threads"]),
+                                 threads=cfg["threads"])
         elif todo:
             with threads(cfg["threads"]):
-                base = pretrain(train)
                 bar = Progress(len(todo)) if progress else None
                 for t in todo:
                     append(os.path.join(out, "trials.jsonl"), run_trial(t, train, base))
                     if bar:
                         bar.tick(t["id"])
         return read_trials(out)
+
+
+PRETRAIN_FIELDS = ("digits", "dim", "layers", "heads", "batch", "lr", "pretrain_steps", "seed")
+
+
+def pretrained(train, out, nthreads):
+    """The pretrained state, made once per campaign: ``pretrain.bin`` (raw tensors) and
+    ``pretrain.json`` (their names, dtypes, shapes, the pretraining fields and a SHA-256 of the
+    bytes). Reused by every trial, rank and resume when the fields and the hash agree; made again
+    (and rewritten) otherwise. Nothing is unpickled."""
+    import torch
+    fields = {k: getattr(train, k) for k in PRETRAIN_FIELDS} | {"threads": nthreads,
+                                                                "torch": torch.__version__}
+    index_path, bin_path = os.path.join(out, "pretrain.json"), os.path.join(out, "pretrain.bin")
+    try:
+        with open(index_path, encoding="utf-8") as f:
+            index = json.load(f)
+        with open(bin_path, "rb") as f:
+            data = f.read()
+        if index["fields"] == fields and hashlib.sha256(data).hexdigest() == index["sha256"]:
+            base = {}
+            for t in index["tensors"]:
+                raw = bytearray(data[t["offset"]:t["offset"] + t["nbytes"]])
+                base[t["name"]] = torch.frombuffer(raw, dtype=getattr(torch, t["dtype"])) \
+                    .reshape(t["shape"]).clone()
+            return base
+        print(f"abft eval: {index_path}: another pretraining or a changed file; pretraining again",
+              file=sys.stderr)
+    except FileNotFoundError:
+        pass
+    except (ValueError, KeyError, TypeError, AttributeError, RuntimeError):
+        print(f"abft eval: {index_path}: unreadable; pretraining again", file=sys.stderr)
+    with threads(nthreads):
+        base = pretrain(train)
+    tensors, chunks, offset = [], [], 0
+    for name, v in base.items():
+        raw = v.contiguous().view(torch.uint8).numpy().tobytes() if v.numel() else b""
+        tensors.append({"name": name, "dtype": str(v.dtype).replace("torch.", ""),
+                        "shape": list(v.shape), "offset": offset, "nbytes": len(raw)})
+        chunks.append(raw)
+        offset += len(raw)
+    data = b"".join(chunks)
+    with open(bin_path + ".tmp", "wb") as f:
+        f.write(data)
+    with open(index_path + ".tmp", "w", encoding="utf-8") as f:
+        json.dump({"fields": fields, "sha256": hashlib.sha256(data).hexdigest(),
+                   "tensors": tensors}, f, indent=1)
+    os.replace(bin_path + ".tmp", bin_path)
+    os.replace(index_path + ".tmp", index_path)
+    return base
 
 
 @contextlib.contextmanager
@@ -406,15 +473,18 @@ def threads(n):
 class _DistRun:
     """What each spawned rank runs: its pair's share of the trials (picklable for spawn)."""
 
-    def __init__(self, train, todo, out):
-        self.train, self.todo, self.out = train, todo, out
+    def __init__(self, train, todo, out, nthreads=1):
+        self.train, self.todo, self.out, self.threads = train, todo, out, nthreads
 
     def __call__(self, rank, link):
         import torch.distributed as dist
         from abft.eval.replicas import pair_of
         pair, role, _ = pair_of(rank)
         npairs = dist.get_world_size() // 2
-        base = pretrain(self.train)
+        if rank == 0:
+            pretrained(self.train, self.out, self.threads)     # made once, here or before
+        dist.barrier()
+        base = pretrained(self.train, self.out, self.threads)
         # both ranks of a pair start from H's pretrained state, bit for bit
         for v in base.values():
             if role == "H":
@@ -456,6 +526,7 @@ def _torchrun(cfg, out, resume):
                 raise RuntimeError(f"rank 0 refused the run folder: {err[0]}")
             todo = [t for t in trials(cfg) if t["id"] not in done_ids(out, warn=rank == 0)]
             if todo:
-                _DistRun(TrainConfig(**cfg["train"]), todo, out)(rank, make_link(rank, world))
+                _DistRun(TrainConfig(**cfg["train"]), todo, out, cfg["threads"])(
+                    rank, make_link(rank, world))
     finally:
         dist.destroy_process_group()

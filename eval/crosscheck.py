@@ -64,6 +64,14 @@ def _expected_phase(ev):
     return ev["phase"] if ev["site"] == "gemm_accumulator" else "forward"
 
 
+def _places(ev):
+    """(module, phase) pairs the event corrupted: its own, or for a defective unit firing on
+    any GEMM ("*"), those of the calls it hit."""
+    if ev["module"] != "*" and ev["phase"] != "*":
+        return {(ev["module"], _expected_phase(ev))}
+    return {(r.get("module"), r.get("phase")) for r in ev["applied"]}
+
+
 def _located(ev, alarm, mismatches):
     """One-element faults: does the alarm point at the corrupted element? Ground truth is the
     element the fault changed, in the product's coordinates (``applied``) or as the sync saw it
@@ -77,7 +85,7 @@ def _located(ev, alarm, mismatches):
         return None
     truth = {(rec["row"], rec["col"])}
     truth |= {(m["row"], m["col"]) for m in mismatches
-              if m["module"] == ev["module"] and m["point"] in ("forward", "backward")}
+              if m["module"] in {p[0] for p in _places(ev)} and m["point"] in ("forward", "backward")}
     if len(truth) == 1 and alarm.get("batch") and len(rec["shape"]) == 2:
         return None                          # a flattened product, no module tensor to map it
     if alarm["col"] is None:                 # only the row sums failed: the row is located
@@ -119,19 +127,20 @@ def cases(trial):
             outcome = "masked"
         sev = [x["severity_max"] for x in m if math.isfinite(x["severity_max"])]
         flip = ev["bits"] and ev["kind"] in ("bitflip", "signflip")
+        began = _first(m)
         c = dict(step=s, event=ev["id"], fault=ev.get("fault", ev["id"]), site=ev["site"],
                  module=ev["module"], phase=ev["phase"], kind=ev["kind"], pattern=ev["pattern"],
                  bits=ev["bits"], bit_class=bit_class(max(ev["bits"])) if flip else None,
                  micro_step=ev["micro_step"], outcome=outcome, changed=_changed(ev),
                  mismatches=len(m), alarms=len(a), severity=max(sev) if sev else None,
                  nonfinite=any(x["nonfinite"] for x in m), ratio=_ratio(ev),
-                 cause=_cause(ev) if outcome == "missed" else None)
+                 cause=_cause(ev) if outcome == "missed" else None,
+                 first_mismatch=began)
         if a:
             first = a[0]
             c.update(by=f"{first['kind']} {first['module']}/{first['phase']}",
-                     module_ok=any(x["module"] == ev["module"] for x in a),
-                     phase_ok=any(x["module"] == ev["module"] and x["phase"] == _expected_phase(ev)
-                                  for x in a),
+                     module_ok=any(x["module"] in {p[0] for p in _places(ev)} for x in a),
+                     phase_ok=any((x["module"], x["phase"]) in _places(ev) for x in a),
                      located=_located(ev, first, m))
             if ev["site"] == "weight_memory":
                 c["by"] = "cached weight checksums: " + c["by"]
@@ -151,6 +160,28 @@ def cases(trial):
         out.append(dict(step=a["step"], site=None, outcome="false_alarm", replica="H", alarms=1,
                         mismatches=0, cause=None))
     return out
+
+
+def _first(mismatches):
+    """Where a step's difference began: its first mismatch in sync order (forward submodules,
+    then backward, gradients, parameters and state), as "point module tensor"."""
+    if not mismatches:
+        return None
+    m = mismatches[0]
+    return f"{m['point']} {m['module'] or '(model)'} {m['tensor']} (micro-step {m['micro_step']})"
+
+
+def first_divergence(trial):
+    """The trial's first difference between H and F (None: bit-identical), with the fault event
+    active at that step (its cause) when there is ground truth."""
+    if not trial["mismatches"]:
+        return None
+    m = trial["mismatches"][0]
+    ev = next((e for e in trial.get("events") or () if e["step"] == m["step"]), None)
+    return {"step": m["step"], "micro_step": m["micro_step"], "point": m["point"],
+            "module": m["module"], "tensor": m["tensor"],
+            "cause": None if ev is None else f"{ev['site']} {ev['kind']} at {ev['module']}/"
+                                             f"{ev['phase']} (step {ev['step']})"}
 
 
 def latency(start, hit, micro_steps):

@@ -3,7 +3,13 @@
 A ``Profile`` is one unhealthy node: how often it corrupts (``rate``), when (``timing``:
 ``transient`` faults at random steps, ``intermittent`` bursts after long quiet stretches from a
 delayed ``onset``, ``permanent`` from ``onset`` on, the same unit every step), where (``sites``),
-how (``kinds``, ``bits``, ``multi_bit``) and in what shape (``patterns``). The default mix of
+how (``kinds``, ``bits``, ``multi_bit``) and in what shape (``patterns``; ``periodic``: runs of
+four wrong elements repeating along a row, as AEGIS saw on faulty GPUs). ``pin`` fixes any of
+site, module, phase, micro-step, row and column; ``trigger`` makes a GEMM fault fire only on
+products with an inner dimension of at least ``min_k`` or an operand value of magnitude at least
+``operand_above`` (the load-dependent defects); ``per_gemm`` makes a permanent GEMM fault a
+defective unit that fires on each GEMM call (any module and phase, unless pinned) with that
+probability, as real defects do (AEGIS: about 2e-9 per GEMM). The default mix of
 corruptions follows NVIDIA's gate-level study of GPU SDC (DSN'26): zeroing about half of the
 outcomes, bit flips most of the rest, NaN/Inf about 1%, single-bit flips under 40% of flips.
 
@@ -42,7 +48,9 @@ SITES = ("gemm_accumulator", "gemm_operand", "gemm_output", "weight_memory", "op
 GEMM_SITES = SITES[:3]
 KINDS = ("zero", "bitflip", "signflip", "nonfinite", "scale", "noise")
 BIT_CLASSES = ("sign", "exponent_msb", "exponent", "mantissa_high", "mantissa_low")
-PATTERNS = ("element", "row", "column", "strided", "tile")
+PATTERNS = ("element", "row", "column", "strided", "tile", "periodic")
+PINS = ("site", "module", "phase", "micro_step", "row", "col")
+TRIGGERS = ("min_k", "operand_above")
 TIMINGS = ("transient", "intermittent", "permanent")
 PHASES = ("forward", "backward")
 
@@ -86,6 +94,9 @@ class Profile:
     phases: dict = field(default_factory=lambda: {"forward": 1.0, "backward": 1.0})
     scale: tuple = (1e-3, 1e3)
     noise: tuple = (1e-4, 1.0)
+    pin: dict = field(default_factory=dict)
+    trigger: dict = field(default_factory=dict)
+    per_gemm: float = None
 
     def validate(self, where="profile"):
         def check(name, weights, allowed):
@@ -115,12 +126,63 @@ class Profile:
         check("phases", self.phases, PHASES)
         if not _number(self.multi_bit) or not 0 <= self.multi_bit <= 1:
             raise ValueError(f"{where}.multi_bit: a probability in [0, 1], got {self.multi_bit!r}")
+        self._validate_pins(where)
         for name in ("scale", "noise"):
             v = getattr(self, name)
             if not isinstance(v, (list, tuple)) or len(v) != 2 or not all(map(_number, v)) \
                     or not 0 < v[0] <= v[1]:
                 raise ValueError(f"{where}.{name}: [low, high], finite, 0 < low <= high, got {v!r}")
         return self
+
+
+    def _validate_pins(self, where):
+        for name, table, keys in (("pin", self.pin, PINS), ("trigger", self.trigger, TRIGGERS)):
+            if not isinstance(table, dict):
+                raise ValueError(f"{where}.{name}: a table over {keys}")
+            for k in table:
+                if k not in keys:
+                    raise ValueError(f"{where}.{name}: unknown {k!r}; one of {keys}")
+        pin, gemm_only = self.pin, set(self.sites) <= {"gemm_accumulator"}
+        if "site" in pin and pin["site"] not in SITES:
+            raise ValueError(f"{where}.pin.site: one of {SITES}, got {pin['site']!r}")
+        for k in ("micro_step", "row", "col"):
+            if k in pin and (not isinstance(pin[k], int) or isinstance(pin[k], bool) or pin[k] < 0):
+                raise ValueError(f"{where}.pin.{k}: a whole number >= 0, got {pin[k]!r}")
+        phases = ("forward", "grad_input", "grad_weight", "grad_a", "grad_b", "backward")
+        if "phase" in pin and pin["phase"] not in phases:
+            raise ValueError(f"{where}.pin.phase: one of {phases}, got {pin['phase']!r}")
+        if "module" in pin and not isinstance(pin["module"], str):
+            raise ValueError(f"{where}.pin.module: a module name, got {pin['module']!r}")
+        t = self.trigger
+        if "min_k" in t and (not isinstance(t["min_k"], int) or isinstance(t["min_k"], bool)
+                             or t["min_k"] < 1):
+            raise ValueError(f"{where}.trigger.min_k: a whole number >= 1, got {t['min_k']!r}")
+        if "operand_above" in t and (not _number(t["operand_above"]) or t["operand_above"] <= 0):
+            raise ValueError(f"{where}.trigger.operand_above: a number > 0, got {t['operand_above']!r}")
+        if t and not gemm_only:
+            raise ValueError(f"{where}.trigger: GEMM-accumulator faults only (sites)")
+        if self.per_gemm is not None:
+            if not _number(self.per_gemm) or not 0 < self.per_gemm <= 1:
+                raise ValueError(f"{where}.per_gemm: a probability in (0, 1], got {self.per_gemm!r}")
+            if self.timing != "permanent" or not gemm_only:
+                raise ValueError(f"{where}.per_gemm: a permanent (timing) GEMM-accumulator "
+                                 f"(sites) defect only")
+
+    def check_targets(self, tg, micro_steps, where="profile"):
+        """The pins against a model's targets (``targets(model)``)."""
+        pin = self.pin
+        if "micro_step" in pin and pin["micro_step"] >= micro_steps:
+            raise ValueError(f"{where}.pin.micro_step: below train.micro_steps ({micro_steps}), "
+                             f"got {pin['micro_step']}")
+        if "module" in pin:
+            sites = [pin["site"]] if "site" in pin else list(self.sites)
+            pool = set()
+            for site in sites:
+                pool |= set(tg["gemm"]) if site in GEMM_SITES else set(tg["nongemm"]) \
+                    if site == "nongemm_op" else set(tg["weights"].values())
+            if pin["module"] not in pool:
+                raise ValueError(f"{where}.pin.module: {pin['module']!r} is not a target of "
+                                 f"{sites}; one of {sorted(pool)}")
 
 
 @dataclass
@@ -143,6 +205,11 @@ class FaultEvent:
     applied: list = field(default_factory=list)
     fault: int = None    # the distinct fault this event belongs to (its first event's id)
     timing: str = "transient"
+    row: int = None      # pinned place (else urow, ucol)
+    col: int = None
+    trigger: dict = None
+    per_gemm: float = None   # a defective unit: fires on each GEMM call with this probability
+    every_micro_step: bool = False   # armed in every micro-step (per_gemm, none pinned)
     shared: dict = field(default=None, repr=False, compare=False)   # one stuck fault's memory
 
     @property
@@ -189,11 +256,14 @@ def targets(model):
 
 
 def _draw(profile, rng, tg, micro_steps):
-    """One fault's site, target and corruption (without step)."""
+    """One fault's site, target and corruption (without step), pins applied."""
+    pin = profile.pin
     site = _pick(rng, profile.sites)
+    site = pin.get("site", site)
     ev = dict(site=site, micro_step=rng.randrange(micro_steps), param=None, state=None)
     if site in GEMM_SITES:
         module = rng.choice(sorted(tg["gemm"]))
+        module = pin.get("module", module)
         op = tg["gemm"][module]
         fwd = _pick(rng, profile.phases) == "forward"
         if site == "gemm_accumulator":
@@ -208,9 +278,11 @@ def _draw(profile, rng, tg, micro_steps):
                 ev["param"] = module + ".weight"
         ev.update(module=module, phase=phase)
     elif site == "nongemm_op":
-        ev.update(module=rng.choice(sorted(tg["nongemm"])), phase="forward")
+        ev.update(module=pin.get("module", rng.choice(sorted(tg["nongemm"]))), phase="forward")
     else:
         param = rng.choice(sorted(tg["weights"]))
+        if "module" in pin:
+            param = next(p for p, m in sorted(tg["weights"].items()) if m == pin["module"])
         ev.update(module=tg["weights"][param], param=param, phase="rest")
         if site == "optimizer_state":
             ev.update(state=rng.choice(("exp_avg", "exp_avg_sq")), micro_step=0)
@@ -230,6 +302,16 @@ def _draw(profile, rng, tg, micro_steps):
         ev["factor"] = _loguniform(rng, *profile.scale) * rng.choice((1, -1))
     elif kind == "noise":
         ev["factor"] = _loguniform(rng, *profile.noise)
+    for k in ("phase", "micro_step"):
+        if k in pin:
+            ev[k] = pin[k]
+    if site == "gemm_output":
+        ev["param"] = ev["module"] + ".weight" if ev["phase"] == "grad_weight" else None
+    ev.update(row=pin.get("row"), col=pin.get("col"), trigger=dict(profile.trigger) or None,
+              per_gemm=profile.per_gemm)
+    if profile.per_gemm is not None:        # any GEMM call, any micro-step, unless pinned
+        ev.update(module=pin.get("module", "*"), phase=pin.get("phase", "*"),
+                  micro_step=pin.get("micro_step", 0), every_micro_step="micro_step" not in pin)
     return ev
 
 
@@ -271,9 +353,12 @@ def schedule(profile, steps, micro_steps, tg, seed):
 def injection(ev, shape, dtype):
     """The ``abft.faults.Injection`` that makes ``ev``'s corruption on a (..., M, N) tensor."""
     m, n = (shape[-2], shape[-1]) if len(shape) >= 2 else (1, shape[-1])
-    row, col = min(int(ev.urow * m), m - 1), min(int(ev.ucol * n), n - 1)
+    row = min(int(ev.urow * m) if ev.row is None else ev.row, m - 1)
+    col = min(int(ev.ucol * n) if ev.col is None else ev.col, n - 1)
     kw = dict(pattern=ev.pattern, row=row, col=col, size=(min(16, m - row), min(16, n - col)),
               stride=32)
+    if ev.pattern == "periodic":            # 4 consecutive elements every 32 columns
+        kw["size"] = (1, 4)
     if ev.pattern in ("row", "strided"):
         kw["col"] = col if ev.pattern == "strided" else 0
     if ev.pattern == "column":
@@ -351,9 +436,24 @@ def fault_tiles(verdict, rec, tiles):
     pattern, size = rec.get("pattern", "element"), rec.get("size") or (1, 1)
     r0, c0 = rec["row"], rec["col"]
     rows = (0, m) if pattern == "column" else (r0, r0 + (size[0] if pattern == "tile" else 1))
-    cols = (0, n) if pattern == "row" else (c0, n) if pattern == "strided" else \
+    cols = (0, n) if pattern == "row" else (c0, n) if pattern in ("strided", "periodic") else \
         (c0, c0 + (size[1] if pattern == "tile" else 1))
     return v[rows[0] // bm:(rows[1] - 1) // bm + 1, cols[0] // bn:(cols[1] - 1) // bn + 1]
+
+
+def triggered(trigger, ctx):
+    """Does a triggered fault fire on this GEMM call? (no trigger: yes)"""
+    if not trigger:
+        return True
+    a, b = ctx.operands or (None, None)
+    if a is None:
+        return False
+    if a.shape[-1] < trigger.get("min_k", 0):
+        return False
+    if "operand_above" in trigger:
+        big = max(float(a.detach().abs().max()), float(b.detach().abs().max()))
+        return big >= trigger["operand_above"]
+    return True
 
 
 class Armed:
@@ -363,8 +463,10 @@ class Armed:
         self.ev, self.handles, self.hook = ev, [], None
         mod = dict(model.named_modules()).get(ev.module)
         site, phase = ev.site, ev.phase
+        self.calls = 0
         if site == "gemm_accumulator":
-            self.hook = _hook.inject(when=self._match, kind="zero").start()
+            times = None if ev.per_gemm is not None else 1
+            self.hook = _hook.inject(when=self._match, kind="zero", times=times).start()
         elif site == "gemm_operand" and phase == "forward":
             self.handles.append(mod.register_forward_pre_hook(self._operand, prepend=True))
         elif site == "gemm_operand":
@@ -383,10 +485,18 @@ class Armed:
                 corrupt(ev, state[ev.state].data)
 
     def _match(self, ctx):
-        if ctx.module != self.ev.module or ctx.phase != self.ev.phase or ctx.attempt:
+        ev = self.ev
+        if ctx.attempt or ctx.labels.get("replica") != "F":
             return False
-        if ctx.labels.get("replica") != "F":
+        if ev.module != "*" and ctx.module != ev.module or ev.phase != "*" and ctx.phase != ev.phase:
             return False
+        if not triggered(ev.trigger, ctx):
+            return False
+        if ev.per_gemm is not None:         # a defective unit: each call, with its probability
+            self.calls += 1
+            draw = random.Random(f"{ev.id}/{ev.step}/{ctx.labels.get('micro_step')}/{self.calls}")
+            if draw.random() >= ev.per_gemm:
+                return False
         slot = self.hook.injection
         if slot.kind == "stuck":
             _remember(self.ev, slot)          # decided by an earlier call of this micro-step
@@ -394,6 +504,9 @@ class Armed:
         for name in ("pattern", "kind", "row", "col", "bit", "value", "size", "stride"):
             setattr(slot, name, getattr(inj, name))
         _record(self.ev, ctx.shape, inj)
+        a = (ctx.operands or (None,))[0]
+        self.ev.applied[-1].update(module=ctx.module, phase=ctx.phase,
+                                   k=None if a is None else int(a.shape[-1]))
         return True
 
     def _operand(self, mod, args):

@@ -108,7 +108,7 @@ class Replica:
         for m, (x, y) in enumerate(micro):
             sync.step, sync.micro_step = s, m
             armed = [F.Armed(e, self.model, self.opt, self.params) for e in events
-                     if e.micro_step == m and e.site != "gradient_comm"]
+                     if (e.micro_step == m or e.every_micro_step) and e.site != "gradient_comm"]
             try:
                 with abft.scope(step=s, micro_step=m, replica=self.role, log=self.log), \
                         abft.checked(self.model):

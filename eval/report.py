@@ -11,7 +11,7 @@ import json
 import math
 import os
 
-from abft.eval.crosscheck import cases, latency
+from abft.eval.crosscheck import cases, first_divergence, latency
 from abft.eval.faults import SITES
 
 OUTCOMES = ("detected", "missed", "masked", "alarm_no_mismatch", "not_applied")
@@ -120,8 +120,76 @@ def summarize(trials):
                          for t in trials if t["mode"] == "none"],
         "accuracy": {t["id"]: [t["accuracy_healthy"], t["accuracy_faulty"]] for t in trials},
         "wall_s": sum(t["wall_s"] for t in trials),
+        "submodules": submodule_table(trials),
+        "gradient_trend": gradient_trend(trials),
+        "first_divergence": {t["id"]: first_divergence(t) for t in trials
+                             if t["mode"] != "none" and t["mismatches"]},
         "cases": all_cases,
     }
+
+
+def submodule_kind(name):
+    """A submodule's place in a block, without the block index ("blocks.3.attn.qkv" ->
+    "attn.qkv"), so every layer's copy of it pools."""
+    parts = name.split(".")
+    return ".".join(parts[2:]) if len(parts) > 2 and parts[0] == "blocks" else name or "(model)"
+
+
+def submodule_table(trials):
+    """Level 1 (Ma et al.): per node profile and submodule, from computation-level sync, the
+    mismatch frequency (mismatched / all elements of the submodule's tensor at a step) and
+    severity (relative difference of the mismatched elements), early and late in the run."""
+    rows = collections.defaultdict(lambda: {"points": 0, "freq": [], "sev": [], "early": [],
+                                            "late": []})
+    steps = {}
+    for t in trials:
+        if t["mode"] != "computation":
+            continue
+        steps[t["profile"]] = steps.get(t["profile"], 0) + t["steps"]
+        for m in t["mismatches"]:
+            if m["point"] not in ("forward", "backward"):
+                continue
+            r = rows[(t["profile"], m["point"], submodule_kind(m["module"]))]
+            r["points"] += 1
+            r["freq"].append(m["frequency"])
+            if math.isfinite(m["severity_max"]):
+                r["sev"].append(m["severity_max"])
+            r["early" if m["step"] < t["steps"] / 2 else "late"].append(m["frequency"])
+    out = []
+    for (prof, point, kind), r in sorted(rows.items()):
+        out.append({"profile": prof, "point": point, "submodule": kind,
+                    "mismatched_points": r["points"], "profile_steps": steps[prof],
+                    "frequency_median": _median(r["freq"]), "frequency_max": max(r["freq"]),
+                    "severity_median": _median(r["sev"]),
+                    "frequency_early_mean": _mean(r["early"]), "frequency_late_mean": _mean(r["late"])})
+    return out
+
+
+def gradient_trend(trials):
+    """Level 2 (Ma et al.): the gradient deviation |g_F - g_H| / |g_H| under parameter-level
+    sync, per node profile, over the first and second half of training."""
+    out = {}
+    for t in trials:
+        if t["mode"] != "parameter" or not t["grad_deviation"]:
+            continue
+        d = [x for x in t["grad_deviation"] if math.isfinite(x)]
+        half = len(t["grad_deviation"]) // 2
+        first = [x for x in t["grad_deviation"][:half] if math.isfinite(x)]
+        second = [x for x in t["grad_deviation"][half:] if math.isfinite(x)]
+        o = out.setdefault(t["profile"], {"trials": 0, "max": 0.0, "first_half": [],
+                                          "second_half": [], "nonfinite_steps": 0})
+        o["trials"] += 1
+        o["max"] = max([o["max"]] + d)
+        o["first_half"] += first
+        o["second_half"] += second
+        o["nonfinite_steps"] += len(t["grad_deviation"]) - len(d)
+    for o in out.values():
+        o["first_half"], o["second_half"] = _mean(o["first_half"]), _mean(o["second_half"])
+    return out
+
+
+def _mean(xs):
+    return sum(xs) / len(xs) if xs else None
 
 
 def _median(xs):
@@ -197,6 +265,32 @@ def markdown(s):
                      f"faulty {_pct(f['accuracy_faulty'])}; final parameter divergence "
                      f"{_fmt(f['param_divergence_final'])}; non-finite faulty losses "
                      f"{f['loss_faulty_nonfinite']}")
+    if s.get("submodules"):
+        lines += ["", "## Level 1: mismatch frequency and severity per submodule", "",
+                  "Computation-level sync, pooled over layers; frequency = mismatched / all "
+                  "elements of the submodule's tensor at a step (medians over the points that "
+                  "mismatched; early/late = mean over the first/second half of the steps).", "",
+                  "| profile | point | submodule | points | frequency median | max | "
+                  "early mean | late mean | severity median |", "|---|---|---|---|---|---|---|---|---|"]
+        for r in s["submodules"]:
+            lines.append(f"| {r['profile']} | {r['point']} | {r['submodule']} | "
+                         f"{r['mismatched_points']} | {_fmt(r['frequency_median'])} | "
+                         f"{_fmt(r['frequency_max'])} | {_fmt(r['frequency_early_mean'])} | "
+                         f"{_fmt(r['frequency_late_mean'])} | {_fmt(r['severity_median'])} |")
+    if s.get("gradient_trend"):
+        lines += ["", "## Level 2: gradient deviation under parameter-level sync", "",
+                  "| profile | trials | mean, first half | mean, second half | worst | non-finite steps |",
+                  "|---|---|---|---|---|---|"]
+        for p, o in s["gradient_trend"].items():
+            lines.append(f"| {p} | {o['trials']} | {_pctf(o['first_half'])} | "
+                         f"{_pctf(o['second_half'])} | {_pctf(o['max'])} | {o['nonfinite_steps']} |")
+    if s.get("first_divergence"):
+        lines += ["", "## Where each trial first diverged", "",
+                  "The first sync point where F differed from H, and the fault active then.", "",
+                  "| trial | step | first difference | fault |", "|---|---|---|---|"]
+        for tid, d in s["first_divergence"].items():
+            lines.append(f"| {tid} | {d['step']}.{d['micro_step']} | {d['point']} "
+                         f"{d['module'] or '(model)'} {d['tensor']} | {d['cause'] or '–'} |")
     lines += ["", "## Per node profile", "", "| profile | detected | missed | masked | rate |",
               "|---|---|---|---|---|"]
     for p, c in s["per_profile"].items():
@@ -216,6 +310,22 @@ def markdown(s):
         lines += ["", "## Plots", ""]
         lines += [f"- `{n}`: {PLOTS.get(n, '')}" for n in s["plots"]]
     return "\n".join(lines) + "\n"
+
+
+LONG = ("Level 1", "Where each trial first diverged", "Per bit class", "Plots")
+
+
+def terminal(text):
+    """The report for a terminal: every section but the long tables (in report.md)."""
+    parts = text.split("\n## ")
+    keep = [parts[0]] + [p for p in parts[1:] if not p.startswith(LONG)]
+    left = [p.split("\n", 1)[0] for p in parts[1:] if p.startswith(LONG)]
+    out = "\n## ".join(keep).rstrip("\n") + "\n"
+    return out + (f"\n(in report.md: {'; '.join(left)})\n" if left else "")
+
+
+def _pctf(x):
+    return "–" if x is None else f"{100 * x:.3g}%"
 
 
 def _fmt(x):

@@ -396,3 +396,100 @@ def test_bad_arguments_are_one_line(tmp_path, capsys, args, field):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and field in err, err
     assert f.read_text() == "x" and not (tmp_path / "r").exists()
+
+
+# ------------------------------------------------------------------ the fault library
+
+def test_the_periodic_pattern_repeats_runs_of_four():
+    a, b = torch.randn(64, 32), torch.randn(32, 100)
+    with abft.config(policy="record", tiles=(32, 32)):
+        with abft.inject(pattern="periodic", row=2, col=1, size=(1, 4), stride=32, kind="value",
+                         value=50.0) as h:
+            c = abft.matmul(a, b)
+        alarms = abft.flush()
+    hit = sorted(set(range(1, 5)) | set(range(33, 37)) | set(range(65, 69)) | {97, 98, 99})
+    assert (c[2] == 50.0).nonzero().flatten().tolist() == hit
+    assert h.hits[0].changed == len(hit)
+    assert alarms and {al.row for al in alarms} == {2}
+
+
+def test_pins_fix_where_a_fault_lands():
+    tg = F.targets(TINY.model())
+    pin = {"site": "gemm_accumulator", "module": "blocks.1.mlp.out", "phase": "grad_input",
+           "micro_step": 1, "row": 3, "col": 5}
+    prof = F.Profile("p", rate=1.0, sites={"gemm_accumulator": 1.0, "nongemm_op": 1.0}, pin=pin)
+    prof.validate().check_targets(tg, TINY.micro_steps)
+    for e in F.schedule(prof, 6, 2, tg, 11):
+        assert (e.site, e.module, e.phase, e.micro_step, e.row, e.col) == tuple(pin.values())
+        inj = F.injection(e, (40, 16), torch.float32)
+        assert (inj.row, inj.col) == (3, 5)
+
+
+@pytest.mark.parametrize("pin,field", [
+    ('{ module = "blocks.9.mlp" }', "pin.module"), ('{ micro_step = 2 }', "pin.micro_step"),
+    ('{ colour = 1 }', "pin"), ('{ phase = "sideways" }', "pin.phase")])
+def test_a_bad_pin_is_one_line(tmp_path, capsys, pin, field):
+    p = tmp_path / "c.toml"
+    p.write_text(f'[[profiles]]\nname = "a"\npin = {pin}\n')
+    assert main(["eval", str(p), "--out", str(tmp_path / "r"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and field in err, err
+
+
+def test_a_defective_unit_fires_per_gemm_call_and_a_size_trigger_gates_it(base):
+    prof = F.Profile("p", rate=1.0, timing="permanent", onset=1, sites={"gemm_accumulator": 1.0},
+                     kinds={"bitflip": 1.0}, bits={"exponent_msb": 1.0}, multi_bit=0.0,
+                     per_gemm=0.2, trigger={"min_k": 64})
+    trial = {"id": "t", "profile": prof, "mode": "computation", "seed": 0}
+    rec = run_trial(trial, TINY, base)
+    assert run_trial(trial, TINY, base)["events"] == rec["events"]      # seeded per call
+    applied = [r for e in rec["events"] for r in e["applied"]]
+    assert applied and all(r["k"] >= 64 for r in applied)
+    assert {e["module"] for e in rec["events"]} == {"*"}
+    assert len({(r["module"], r["phase"]) for r in applied}) > 1        # any GEMM, not one
+    cs = [c for c in crosscheck.cases(rec) if c["outcome"] not in ("not_applied", "masked")]
+    assert cs and all(c["outcome"] == "detected" and c["module_ok"] for c in cs)
+    every = F.Profile("q", rate=1.0, timing="permanent", sites={"gemm_accumulator": 1.0},
+                      kinds={"bitflip": 1.0}, bits={"mantissa_low": 1.0}, multi_bit=0.0,
+                      per_gemm=1.0)
+    rec1 = run_trial({"id": "u", "profile": every, "mode": "computation", "seed": 0}, TINY, base)
+    per_step = [len(e["applied"]) for e in rec1["events"]]
+    assert len(set(per_step)) == 1 and per_step[0] > len(applied) / len(rec["events"])
+
+
+def test_the_first_divergence_is_where_the_fault_began(base):
+    prof = F.Profile("p", rate=1.0, sites={"gemm_operand": 1.0}, kinds={"scale": 1.0},
+                     scale=(10.0, 100.0), phases={"forward": 1.0})
+    rec = run_trial({"id": "t", "profile": prof, "mode": "computation", "seed": 2}, TINY, base)
+    d = crosscheck.first_divergence(rec)
+    ev = rec["events"][0]
+    assert (d["step"], d["point"], d["module"]) == (ev["step"], "forward", ev["module"])
+    assert d["cause"].startswith("gemm_operand scale at " + ev["module"])
+    s = report.summarize([rec])
+    assert s["first_divergence"]["t"] == d and "first diverged" in report.markdown(s)
+
+
+def test_pretraining_runs_once_per_campaign(run_dir, tmp_path, monkeypatch, capsys):
+    out, cfg, recs = run_dir
+    copy = tmp_path / "run"
+    os.makedirs(copy)
+    for f in ("config.json", "trials.jsonl", "pretrain.json", "pretrain.bin"):
+        (copy / f).write_bytes((out / f).read_bytes())
+    lines = (copy / "trials.jsonl").read_text().splitlines()
+    (copy / "trials.jsonl").write_text(lines[0] + "\n")
+
+    def no(*a, **k):
+        raise AssertionError("pretrained again")
+    monkeypatch.setattr(campaign, "pretrain", no)
+    again = {r["id"]: r for r in campaign.run(cfg, str(copy), resume=True, progress=False)}
+    assert {i: r["loss_faulty"] for i, r in again.items()} == \
+        {i: r["loss_faulty"] for i, r in recs.items()}
+    monkeypatch.undo()
+    data = bytearray((copy / "pretrain.bin").read_bytes())
+    data[0] ^= 1                                     # a changed checkpoint is not trusted
+    (copy / "pretrain.bin").write_bytes(bytes(data))
+    base = campaign.pretrained(TrainConfig(**cfg["train"]), str(copy), 1)
+    assert "pretraining again" in capsys.readouterr().err
+    with campaign.threads(1):
+        fresh = pretrain(TrainConfig(**cfg["train"]))
+    assert torch.equal(base["head.weight"], fresh["head.weight"])
