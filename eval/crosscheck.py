@@ -57,7 +57,9 @@ def _cause(ev):
     ratio = _ratio(ev)
     if ratio is None:
         return "error below the threshold"
-    return f"error below the threshold (its tiles' residual/threshold {ratio:.2g})"
+    scope = "its tiles'" if all(r.get("ratio_of", "tiles") == "tiles" for r in ev["applied"]) \
+        else "the product's worst"
+    return f"error below the threshold ({scope} residual/threshold {ratio:.2g})"
 
 
 def _expected_phase(ev):

@@ -427,12 +427,15 @@ class _Replace(torch.autograd.Function):
 
 def fault_tiles(verdict, rec, tiles):
     """The verdict records of the tiles the fault ``rec`` (an ``applied`` record) corrupted: the
-    first batch element's, rows and columns from the fault's pattern."""
+    first batch element's, rows and columns from the fault's pattern; None where the verdict's
+    tiling cannot be mapped onto the product's shape."""
     v = verdict.reshape(-1, *verdict.shape[-3:])[0]
     if tiles is None:
-        return v
+        return None
     bm, bn = tiles
     m, n = rec["shape"][-2] if len(rec["shape"]) >= 2 else 1, rec["shape"][-1]
+    if tuple(v.shape[:2]) != (-(-m // bm), -(-n // bn)):
+        return None          # the check saw another layout (a split or folded product)
     pattern, size = rec.get("pattern", "element"), rec.get("size") or (1, 1)
     r0, c0 = rec["row"], rec["col"]
     rows = (0, m) if pattern == "column" else (r0, r0 + (size[0] if pattern == "tile" else 1))
@@ -463,7 +466,7 @@ class Armed:
         self.ev, self.handles, self.hook = ev, [], None
         mod = dict(model.named_modules()).get(ev.module)
         site, phase = ev.site, ev.phase
-        self.calls = 0
+        self.calls, self.first = 0, len(ev.applied)     # this arming's records start there
         if site == "gemm_accumulator":
             times = None if ev.per_gemm is not None else 1
             self.hook = _hook.inject(when=self._match, kind="zero", times=times).start()
@@ -536,11 +539,13 @@ class Armed:
             self.hook.stop()
             if self.hook.injection.kind == "stuck":
                 _remember(self.ev, self.hook.injection)
-            for ctx, rec in zip(self.hook.hits, self.ev.applied):
+            for ctx, rec in zip(self.hook.hits, self.ev.applied[self.first:]):
                 rec["changed"] = ctx.changed          # None: the kernel corrupted it, unseen
                 v = ctx.verdict
                 if v is not None:   # the worst residual / threshold of the tiles it corrupted
-                    v = fault_tiles(v, rec, ctx.tiles)
+                    mine = fault_tiles(v, rec, ctx.tiles)
+                    rec["ratio_of"] = "product" if mine is None else "tiles"
+                    v = v if mine is None else mine
                     rec["ratio"] = float(torch.maximum(v[..., L.ROW_RATIO], v[..., L.COL_RATIO]).max())
                     rec["status"] = float(v[..., L.STATUS].max())
             self.hook = None

@@ -445,6 +445,8 @@ def test_a_defective_unit_fires_per_gemm_call_and_a_size_trigger_gates_it(base):
     assert run_trial(trial, TINY, base)["events"] == rec["events"]      # seeded per call
     applied = [r for e in rec["events"] for r in e["applied"]]
     assert applied and all(r["k"] >= 64 for r in applied)
+    # each call's verdict goes with its own record, in every micro-step the unit is armed
+    assert {r["ratio_of"] for r in applied} == {"tiles"}
     assert {e["module"] for e in rec["events"]} == {"*"}
     assert len({(r["module"], r["phase"]) for r in applied}) > 1        # any GEMM, not one
     cs = [c for c in crosscheck.cases(rec) if c["outcome"] not in ("not_applied", "masked")]
@@ -493,3 +495,32 @@ def test_pretraining_runs_once_per_campaign(run_dir, tmp_path, monkeypatch, caps
     with campaign.threads(1):
         fresh = pretrain(TrainConfig(**cfg["train"]))
     assert torch.equal(base["head.weight"], fresh["head.weight"])
+
+
+def test_level_one_pools_layers_per_submodule_early_and_late():
+    def mm(step, module, freq, sev):
+        return dict(_mm(step), module=module, frequency=freq, severity_max=sev)
+    t = _case_trial("computation", steps=4, mismatches=[
+        mm(0, "blocks.0.attn.qkv", 0.1, 1.0), mm(1, "blocks.1.attn.qkv", 0.3, 3.0),
+        mm(3, "blocks.0.attn.qkv", 0.5, 2.0), mm(3, "blocks.0.mlp.fc", 0.2, float("inf"))])
+    rows = {r["submodule"]: r for r in report.submodule_table([t])}
+    qkv = rows["attn.qkv"]
+    assert qkv["mismatched_points"] == 3 and qkv["frequency_max"] == 0.5
+    assert qkv["frequency_early_mean"] == pytest.approx(0.2) and qkv["frequency_late_mean"] == 0.5
+    assert qkv["severity_median"] == 2.0 and rows["mlp.fc"]["severity_median"] is None
+
+
+def test_level_two_is_the_gradient_deviation_trend_under_parameter_sync():
+    ts = [_case_trial("parameter", grad_deviation=[0.01, 0.03, 0.2, float("nan")]),
+          _case_trial("computation", grad_deviation=[9.0])]
+    g = report.gradient_trend(ts)["p"]
+    assert g["first_half"] == pytest.approx(0.02) and g["second_half"] == pytest.approx(0.2)
+    assert g["max"] == 0.2 and g["nonfinite_steps"] == 1 and g["trials"] == 1
+
+
+def test_the_terminal_report_keeps_the_metrics_and_names_what_it_leaves_out():
+    ts = [_case_trial("computation", events=[_ev(0, 1)], mismatches=[_mm(1)], alarms=[_al(1)])]
+    text = report.markdown(report.summarize(ts))
+    short = report.terminal(text)
+    assert "## What the faults did" in short and "## Coverage per site" in short
+    assert "## Level 1" not in short and "Level 1" in short.splitlines()[-1]
