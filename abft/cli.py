@@ -69,7 +69,7 @@ def _report(args):
     from abft.eval import report
     try:
         s = report.build(args.run_dir)
-    except FileNotFoundError as e:
+    except (FileNotFoundError, ValueError) as e:
         print(f"abft report: {e}", file=sys.stderr)
         return 2
     print(report.markdown(s))

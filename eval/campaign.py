@@ -91,6 +91,7 @@ sites = { gemm_accumulator = 1.0 }
 kinds = { bitflip = 1.0 }
 bits = { exponent_msb = 1.0 }
 multi_bit = 0.0
+stuck_at = 1
 modes = ["computation", "none"]
 """
 
@@ -153,6 +154,9 @@ def validate(cfg):
             raise ValueError(f"{where}.name: a non-empty string without '/', got {name!r}")
         if "modes" in p:
             _modes(p["modes"], f"{where}.modes")
+        if p.get("reseed") and p.get("modes", cfg["modes"]) != ["none"]:
+            raise ValueError(f"{where} ({name}).reseed: runs free only (modes = [\"none\"]): "
+                             f"its replicas see different data")
         for k in ("scale", "noise"):
             if k in p and not isinstance(p[k], list):
                 raise ValueError(f"{where} ({name}).{k}: [low, high], got {p[k]!r}")

@@ -97,6 +97,9 @@ class Profile:
     pin: dict = field(default_factory=dict)
     trigger: dict = field(default_factory=dict)
     per_gemm: float = None
+    reseed: int = 0          # > 0: no fault; F trains on other data (the healthy noise floor)
+    stuck_at: int = None     # permanent bit faults: 0 or 1; None: the complement of the first
+                             # value the fault meets, kept
 
     def validate(self, where="profile"):
         def check(name, weights, allowed):
@@ -127,6 +130,13 @@ class Profile:
         if not _number(self.multi_bit) or not 0 <= self.multi_bit <= 1:
             raise ValueError(f"{where}.multi_bit: a probability in [0, 1], got {self.multi_bit!r}")
         self._validate_pins(where)
+        if not isinstance(self.reseed, int) or isinstance(self.reseed, bool) or self.reseed < 0:
+            raise ValueError(f"{where}.reseed: a whole number >= 0, got {self.reseed!r}")
+        if self.stuck_at not in (None, 0, 1) or isinstance(self.stuck_at, bool):
+            raise ValueError(f"{where}.stuck_at: 0 or 1 (unset: the complement of the first value "
+                             f"met), got {self.stuck_at!r}")
+        if self.reseed and self.rate > 0:
+            raise ValueError(f"{where}.reseed: a reseeded healthy replica has no faults (rate = 0)")
         for name in ("scale", "noise"):
             v = getattr(self, name)
             if not isinstance(v, (list, tuple)) or len(v) != 2 or not all(map(_number, v)) \
@@ -210,6 +220,7 @@ class FaultEvent:
     trigger: dict = None
     per_gemm: float = None   # a defective unit: fires on each GEMM call with this probability
     every_micro_step: bool = False   # armed in every micro-step (per_gemm, none pinned)
+    stuck_at: int = None
     shared: dict = field(default=None, repr=False, compare=False)   # one stuck fault's memory
 
     @property
@@ -308,7 +319,7 @@ def _draw(profile, rng, tg, micro_steps):
     if site == "gemm_output":
         ev["param"] = ev["module"] + ".weight" if ev["phase"] == "grad_weight" else None
     ev.update(row=pin.get("row"), col=pin.get("col"), trigger=dict(profile.trigger) or None,
-              per_gemm=profile.per_gemm)
+              per_gemm=profile.per_gemm, stuck_at=profile.stuck_at)
     if profile.per_gemm is not None:        # any GEMM call, any micro-step, unless pinned
         ev.update(module=pin.get("module", "*"), phase=pin.get("phase", "*"),
                   micro_step=pin.get("micro_step", 0), every_micro_step="micro_step" not in pin)
@@ -367,8 +378,10 @@ def injection(ev, shape, dtype):
         bits = tuple(ev.bits)
         if ev.kind == "signflip":
             bits = (torch.finfo(dtype).bits - 1,)
-        if ev.stuck_bits:          # decided at the first application, then kept
-            return _hook.Injection(kind="stuck", bit=bits, value=(ev.shared or {}).get("value"), **kw)
+        if ev.stuck_bits:          # stuck_at, or decided at the first application and kept
+            value = (ev.shared or {}).get("value") if ev.stuck_at is None else \
+                _hook.flip_mask(bits, torch.finfo(dtype).bits, dtype) * ev.stuck_at
+            return _hook.Injection(kind="stuck", bit=bits, value=value, **kw)
         return _hook.Injection(kind="bitflip", bit=bits, **kw)
     if ev.kind == "zero":
         return _hook.Injection(kind="zero", **kw)

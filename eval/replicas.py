@@ -40,6 +40,7 @@ class TrainConfig:
     pretrain_steps: int = 200
     steps: int = 30
     seed: int = 0
+    eval_every: int = 0      # > 0: both replicas' accuracy every so many steps (0: at the end)
 
     def validate(self, where="train"):
         for k, v in asdict(self).items():
@@ -47,7 +48,7 @@ class TrainConfig:
                 if not F._number(v) or not v > 0:
                     raise ValueError(f"{where}.lr: a finite number > 0, got {v!r}")
                 continue
-            low = 0 if k in ("seed", "pretrain_steps") else 1
+            low = 0 if k in ("seed", "pretrain_steps", "eval_every") else 1
             if not isinstance(v, int) or isinstance(v, bool) or v < low:
                 raise ValueError(f"{where}.{k}: a whole number >= {low}, got {v!r}")
         if self.dim % self.heads:
@@ -156,18 +157,23 @@ def run_trial(trial, cfg, base, link=None, role=None):
     events = F.schedule(prof, cfg.steps, cfg.micro_steps, F.targets(reps[roles[0]].model),
                         trial.get("fault_seed", seed))
     t0 = time.perf_counter()
+    curve = {r: [] for r in roles}
     with abft.config(policy="record", backend=trial.get("backend", "reference")):
         for s in range(cfg.steps):
             micro = batches(cfg, seed, s)
             for r in roles:
-                reps[r].step(s, micro, [e for e in events if e.step == s] if r == "F" else ())
+                mine = batches(cfg, seed + 7919 * prof.reseed, s) if r == "F" and prof.reseed \
+                    else micro               # a reseeded healthy F: other data, the noise floor
+                reps[r].step(s, mine, [e for e in events if e.step == s] if r == "F" else ())
+                if cfg.eval_every and (s + 1) % cfg.eval_every == 0:
+                    curve[r].append([s + 1, reps[r].accuracy()])
             if local and link.queue:
                 raise RuntimeError("abft eval: the healthy replica passed sync points the faulty "
                                    "one did not")
     wall = time.perf_counter() - t0
     if "H" in reps:
         h = reps["H"]
-        link.send_json({"loss": h.losses, "accuracy": h.accuracy(),
+        link.send_json({"loss": h.losses, "accuracy": h.accuracy(), "curve": curve["H"],
                         "alarms": [_alarm(a) for a in h.log]})
     if "F" not in reps:
         return None
@@ -182,6 +188,8 @@ def run_trial(trial, cfg, base, link=None, role=None):
         "loss_healthy": hs["loss"], "loss_faulty": f.losses,
         "grad_deviation": f.dev, "param_divergence": f.div,
         "accuracy_healthy": hs["accuracy"], "accuracy_faulty": f.accuracy(),
+        "accuracy_curve_healthy": hs["curve"], "accuracy_curve_faulty": curve["F"],
+        "reseeded": bool(prof.reseed),
         "wall_s": wall, "rank": int(os.environ.get("RANK", 0)),
         "campaign": trial.get("campaign"), "fault_seed": trial.get("fault_seed", seed),
         "env": environment(trial.get("backend", "reference")),

@@ -37,6 +37,7 @@ def summarize(trials):
     per_class = collections.defaultdict(collections.Counter)
     per_bit = collections.defaultdict(collections.Counter)
     per_nbits = collections.defaultdict(collections.Counter)
+    per_pattern = collections.defaultdict(collections.Counter)
     causes = collections.defaultdict(collections.Counter)
     by = collections.Counter()
     located = collections.Counter()
@@ -60,6 +61,7 @@ def summarize(trials):
             key = fault_key(t, c)
             faults_site[site][key] = faults_site[site].get(key, False) or out == "detected"
             per_profile[t["profile"]][out] += 1
+            per_pattern[(site, c["pattern"])][out] += 1
             if c.get("bit_class"):
                 per_class[(site, c["bit_class"])][out] += 1
                 per_nbits[(site, len(c["bits"]))][out] += 1
@@ -82,7 +84,7 @@ def summarize(trials):
                   and c["outcome"] in ("detected", "missed")]
     above = [c for c in acc_detect if (c.get("ratio") or 0) > 1 or c["outcome"] == "detected"]
     mism = [m for t in trials if t["mode"] != "none" for m in t["mismatches"]]
-    null = [t for t in trials if not t["events"]]
+    null = [t for t in trials if not t["events"] and not t.get("reseeded")]
     sites = {}
     for site, c in per_site.items():
         d = {o: c.get(o, 0) for o in OUTCOMES}
@@ -98,6 +100,7 @@ def summarize(trials):
         "per_bit_class": {f"{s}/{b}": dict(c, rate=_rate(c)) for (s, b), c in sorted(per_class.items())},
         "per_bit": {f"{s}/{b}": dict(c, rate=_rate(c)) for (s, b), c in sorted(per_bit.items())},
         "per_bit_count": {f"{s}/{n}": dict(c, rate=_rate(c)) for (s, n), c in sorted(per_nbits.items())},
+        "per_pattern": {f"{s}/{p}": dict(c, rate=_rate(c)) for (s, p), c in sorted(per_pattern.items())},
         "causes": {s: dict(c) for s, c in causes.items()},
         "detected_by": {f"{s}/{k}": n for (s, k), n in by.items()},
         "accumulator_above_threshold": {"faults": len(above),
@@ -112,11 +115,16 @@ def summarize(trials):
         "severity_median": _median([m["severity_max"] for m in mism if math.isfinite(m["severity_max"])]),
         "grad_deviation_max": max((d for t in trials if t["mode"] == "parameter"
                                    for d in t["grad_deviation"] if math.isfinite(d)), default=None),
-        "free_running": [{"trial": t["id"], "accuracy_healthy": t["accuracy_healthy"],
+        "free_running": [{"trial": t["id"], "reseeded": t.get("reseeded", False),
+                          "accuracy_healthy": t["accuracy_healthy"],
                           "accuracy_faulty": t["accuracy_faulty"],
                           "param_divergence_final": t["param_divergence"][-1] if t["param_divergence"] else None,
                           "loss_faulty_max": _finite_max(t["loss_faulty"]),
-                          "loss_faulty_nonfinite": sum(not math.isfinite(x) for x in t["loss_faulty"])}
+                          "loss_faulty_nonfinite": sum(not math.isfinite(x) for x in t["loss_faulty"]),
+                          "loss_gap_max": _finite_max([abs(a - b) / max(abs(b), 1e-12) for a, b in
+                                                       zip(t["loss_faulty"], t["loss_healthy"])]),
+                          "accuracy_curve_healthy": t.get("accuracy_curve_healthy", []),
+                          "accuracy_curve_faulty": t.get("accuracy_curve_faulty", [])}
                          for t in trials if t["mode"] == "none"],
         "accuracy": {t["id"]: [t["accuracy_healthy"], t["accuracy_faulty"]] for t in trials},
         "wall_s": sum(t["wall_s"] for t in trials),
@@ -213,6 +221,7 @@ PLOTS = {
     "detection_by_bit.png": "detection rate against the bit flipped (single-bit flips)",
     "gradient_deviation.png": "gradient deviation per step (parameter-level sync)",
     "divergence_and_loss.png": "parameter divergence and both loss curves, free running",
+    "accuracy_over_training.png": "both replicas' fine-tune accuracy over training, free running",
 }
 
 
@@ -261,9 +270,11 @@ def markdown(s):
               f"- worst gradient deviation |g_F - g_H| / |g_H| under parameter-level sync: "
               f"{_fmt(s['grad_deviation_max'])}"]
     for f in s["free_running"]:
-        lines.append(f"- free running {f['trial']}: accuracy healthy {_pct(f['accuracy_healthy'])}, "
-                     f"faulty {_pct(f['accuracy_faulty'])}; final parameter divergence "
-                     f"{_fmt(f['param_divergence_final'])}; non-finite faulty losses "
+        what = "reseeded healthy (the noise floor)" if f["reseeded"] else "free running"
+        lines.append(f"- {what} {f['trial']}: accuracy healthy {_pct(f['accuracy_healthy'])}, "
+                     f"{'reseeded' if f['reseeded'] else 'faulty'} {_pct(f['accuracy_faulty'])}; "
+                     f"final parameter divergence {_fmt(f['param_divergence_final'])}; worst "
+                     f"relative loss gap {_fmt(f['loss_gap_max'])}; non-finite losses "
                      f"{f['loss_faulty_nonfinite']}")
     if s.get("submodules"):
         lines += ["", "## Level 1: mismatch frequency and severity per submodule", "",
@@ -296,16 +307,17 @@ def markdown(s):
     for p, c in s["per_profile"].items():
         lines.append(f"| {p} | {c.get('detected', 0)} | {c.get('missed', 0)} | {c.get('masked', 0)} "
                      f"| {_pct(c['rate'])} |")
-    lines += ["", "## Per bit class (bit flips; a multi-bit flip by its highest bit)", "",
+    lines += ["", "## Per bit class, bit count and pattern (a multi-bit flip by its highest bit)", "",
               "| site / bit class | detected | missed | masked | rate |", "|---|---|---|---|---|"]
     for k, c in s["per_bit_class"].items():
         lines.append(f"| {k} | {c.get('detected', 0)} | {c.get('missed', 0)} | {c.get('masked', 0)} "
                      f"| {_pct(c['rate'])} |")
-    lines += ["", "| site / bits flipped at once | detected | missed | masked | rate |",
-              "|---|---|---|---|---|"]
-    for k, c in s["per_bit_count"].items():
-        lines.append(f"| {k} | {c.get('detected', 0)} | {c.get('missed', 0)} | {c.get('masked', 0)} "
-                     f"| {_pct(c['rate'])} |")
+    for title, table in (("site / bits flipped at once", s["per_bit_count"]),
+                         ("site / spatial pattern", s["per_pattern"])):
+        lines += ["", f"| {title} | detected | missed | masked | rate |", "|---|---|---|---|---|"]
+        for k, c in table.items():
+            lines.append(f"| {k} | {c.get('detected', 0)} | {c.get('missed', 0)} | "
+                         f"{c.get('masked', 0)} | {_pct(c['rate'])} |")
     if s.get("plots"):
         lines += ["", "## Plots", ""]
         lines += [f"- `{n}`: {PLOTS.get(n, '')}" for n in s["plots"]]
@@ -421,6 +433,21 @@ def plots(trials, s, out):
         a1.legend(fontsize=7)
         a2.legend(fontsize=7)
     save(fig, "divergence_and_loss.png")
+
+    curves = [t for t in free if t.get("accuracy_curve_faulty")]
+    if curves:
+        fig, ax = plt.subplots(figsize=(7, 3.6))
+        for t in curves:
+            hx, hy = zip(*t["accuracy_curve_healthy"])
+            fx, fy = zip(*t["accuracy_curve_faulty"])
+            line, = ax.plot(fx, fy, marker=".", label=f"{t['profile']}"
+                            + (" (reseeded healthy)" if t.get("reseeded") else " faulty"))
+            ax.plot(hx, hy, linestyle="--", color=line.get_color(), alpha=0.6,
+                    label=f"{t['profile']} healthy")
+        ax.set(xlabel="step", ylabel="fine-tune accuracy", ylim=(-0.05, 1.05),
+               title="Accuracy over training, free running")
+        ax.legend(fontsize=7)
+        save(fig, "accuracy_over_training.png")
     return names
 
 

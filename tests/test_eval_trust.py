@@ -303,7 +303,9 @@ def test_distinct_faults_and_events_are_counted_apart():
     trials = [_case_trial(mode, events=evs, alarms=[_al(s) for s in (1, 2, 3)],
                           mismatches=[_mm(s) for s in (1, 2, 3)])
               for mode in ("computation", "parameter")]
-    site = report.summarize(trials)["per_site"]
+    s = report.summarize(trials)
+    assert s["per_pattern"]["gemm_accumulator/element"]["detected"] == 6
+    site = s["per_site"]
     assert site["gemm_accumulator"]["faults"] == 1 and site["gemm_accumulator"]["events"] == 6
     assert site["gemm_accumulator"]["faults_detected"] == 1
     assert set(site) == set(F.SITES) and site["nongemm_op"]["faults"] == 0  # undrawn sites stay
@@ -524,3 +526,46 @@ def test_the_terminal_report_keeps_the_metrics_and_names_what_it_leaves_out():
     short = report.terminal(text)
     assert "## What the faults did" in short and "## Coverage per site" in short
     assert "## Level 1" not in short and "Level 1" in short.splitlines()[-1]
+
+
+def test_a_reseeded_healthy_pair_is_the_noise_floor_with_accuracy_over_training(base):
+    cfg = TrainConfig(dim=16, batch=8, micro_steps=2, pretrain_steps=10, steps=4, eval_every=2)
+    prof = F.Profile("floor", rate=0.0, reseed=1)
+    rec = run_trial({"id": "t", "profile": prof, "mode": "none", "seed": 0}, cfg, base)
+    assert rec["events"] == [] and rec["reseeded"] and rec["alarms"] == []
+    assert [s for s, _ in rec["accuracy_curve_faulty"]] == [2, 4]
+    assert [s for s, _ in rec["accuracy_curve_healthy"]] == [2, 4]
+    assert rec["param_divergence"][-1] > 0 and rec["loss_faulty"] != rec["loss_healthy"]
+    s = report.summarize([rec])
+    assert s["null"]["trials"] == 0 and s["free_running"][0]["reseeded"]
+
+
+@pytest.mark.parametrize("extra,field", [('rate = 0.5\nreseed = 1', "reseed"),
+                                         ('rate = 0.0\nreseed = 1', "reseed")])
+def test_a_reseeded_profile_runs_free_without_faults(tmp_path, capsys, extra, field):
+    p = tmp_path / "c.toml"
+    modes = 'modes = ["none"]\n' if "0.5" in extra else ""
+    p.write_text(f'[[profiles]]\nname = "a"\n{modes}{extra}\n')
+    assert main(["eval", str(p), "--out", str(tmp_path / "r"), "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and field in err, err
+
+
+def test_a_folder_mixing_two_campaigns_is_refused_by_the_report(tmp_path, capsys):
+    recs = [dict(_case_trial(), id="a/computation/0", campaign="aaaa"),
+            dict(_case_trial(), id="b/computation/0", campaign="bbbb")]
+    (tmp_path / "trials.jsonl").write_text("".join(json.dumps(r) + "\n" for r in recs))
+    assert main(["report", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "2 different campaigns" in err
+
+
+@pytest.mark.parametrize("stuck_at,value,changes", [(1, 0.5, True), (1, 4.0, False),
+                                                    (0, 4.0, True), (0, 0.5, False)])
+def test_a_bit_stuck_at_a_chosen_value(stuck_at, value, changes):
+    (ev, *_) = _event(stuck_at=stuck_at)
+    w = torch.full((4, 4), value)
+    F.corrupt(ev, w)
+    r, c = ev.applied[0]["row"], ev.applied[0]["col"]
+    assert (float(w[r, c]) != value) == changes
+    assert (int(w.view(torch.int32)[r, c]) >> 30) & 1 == stuck_at
