@@ -10,7 +10,8 @@ Patterns: ``element`` (row, col), ``row``, ``column``, ``tile`` (bm x bn from ro
 of wrong elements seen on faulty GPUs).
 Kinds: ``bitflip`` (bit of the stored dtype, or a tuple of bits), ``stuck`` (those bits forced:
 ``value`` is the int mask of the ones among them, the rest cleared; ``None`` decides at the first
-application, as the complement of the first corrupted element's bits, and keeps it), ``value``
+application, as the complement of the first corrupted element's bits, and keeps it; every element
+of the pattern is forced to that value, so elements already holding it do not change), ``value``
 (set), ``add``, ``scale``, ``zero``. ``ctx.changed`` counts the elements the corruption changed.
 Choose the call by ``call_id`` and/or ``when(ctx)``, a predicate on a ``CallContext``
 (op, phase, labels, call_id, shape, attempt). ``batch`` indexes the product's leading dims

@@ -23,6 +23,7 @@ import os
 import sys
 import time
 import tomllib
+from dataclasses import asdict
 
 from abft.eval.faults import Profile
 from abft.eval.replicas import TrainConfig, pretrain, run_trial
@@ -136,6 +137,7 @@ def validate(cfg):
         if k not in fields:
             raise ValueError(f"config.train: unknown field {k!r}; fields are {tuple(fields)}")
     tc = TrainConfig(**train).validate("config.train")
+    cfg["train"] = train = asdict(tc)          # resolved: the hash covers every default
     steps, tg = tc.steps, None
     profiles = cfg.get("profiles")
     if not isinstance(profiles, list) or not profiles:
@@ -161,6 +163,8 @@ def validate(cfg):
             if k in p and not isinstance(p[k], list):
                 raise ValueError(f"{where} ({name}).{k}: [low, high], got {p[k]!r}")
         prof = profile(p).validate(f"{where} ({name})")
+        for k, v in asdict(prof).items():      # resolved: the hash covers every default
+            p.setdefault(k, list(v) if isinstance(v, tuple) else v)
         if prof.pin:
             from abft.eval.faults import targets
             tg = tg or targets(tc.model())
@@ -360,14 +364,19 @@ def read_config(out):
         raise ValueError(f"{out}/config.json: not a campaign config written by abft eval") from None
 
 
-def prepare(cfg, out, resume=False):
-    """Check that the run folder can take this campaign; raises ValueError (another campaign's
-    folder, naming what differs), FileExistsError (trials there, no resume) or OSError."""
+def _folder(out):
+    """Make the run folder (OSError, one line, where it cannot be one)."""
     if os.path.exists(out) and not os.path.isdir(out):
         raise NotADirectoryError(f"--out {out}: a file, not a folder")
     os.makedirs(out, exist_ok=True)
     if not os.access(out, os.W_OK | os.X_OK):
         raise PermissionError(f"--out {out}: not writable")
+
+
+def prepare(cfg, out, resume=False):
+    """Check that the run folder can take this campaign; raises ValueError (another campaign's
+    folder, naming what differs), FileExistsError (trials there, no resume) or OSError."""
+    _folder(out)
     has_trials = bool(glob.glob(os.path.join(out, "trials*.jsonl")))
     if has_trials and not resume:
         raise FileExistsError(f"{out} holds trials already: pass --resume, or another --out")
@@ -391,11 +400,13 @@ def run(cfg, out, resume=False, pairs=0, progress=True):
     if os.environ.get("WORLD_SIZE") and int(os.environ["WORLD_SIZE"]) > 1:
         _torchrun(cfg, out, resume)         # launched by torchrun: every rank runs this
         return read_trials(out)
-    prepare(cfg, out, resume)
-    with locked(out):
+    _folder(out)
+    with locked(out):                 # checked under the lock: no second writer between
+        prepare(cfg, out, resume)
         repair(out)
         write_config(cfg, out)
-        todo = [t for t in trials(cfg) if t["id"] not in done_ids(out)]
+        done = done_ids(out)
+        todo = [t for t in trials(cfg) if t["id"] not in done]
         train = TrainConfig(**cfg["train"])
         base = pretrained(train, out, cfg["threads"]) if todo else None
         if todo and pairs:
@@ -517,8 +528,9 @@ def _torchrun(cfg, out, resume):
             err, failure = [None], None
             if rank == 0:
                 try:
-                    prepare(cfg, out, resume)
+                    _folder(out)
                     stack.enter_context(locked(out))
+                    prepare(cfg, out, resume)
                     repair(out)
                     write_config(cfg, out)
                 except (ValueError, OSError, Busy) as e:
@@ -527,8 +539,9 @@ def _torchrun(cfg, out, resume):
             if failure is not None:
                 raise failure
             if err[0] is not None:
-                raise RuntimeError(f"rank 0 refused the run folder: {err[0]}")
-            todo = [t for t in trials(cfg) if t["id"] not in done_ids(out, warn=rank == 0)]
+                raise ValueError(f"rank 0 refused the run folder: {err[0]}")
+            done = done_ids(out, warn=rank == 0)
+            todo = [t for t in trials(cfg) if t["id"] not in done]
             if todo:
                 _DistRun(TrainConfig(**cfg["train"]), todo, out, cfg["threads"])(
                     rank, make_link(rank, world))

@@ -17,7 +17,9 @@ outcomes, bit flips most of the rest, NaN/Inf about 1%, single-bit flips under 4
 event per step, so every mismatch and alarm of a step belongs to that step's event. Events of one
 fault (a permanent unit firing every step, an intermittent burst) share its ``fault`` id. A
 permanent bit fault is stuck, not toggled: its first application flips the bits, every later one
-forces them to those values (``stuck``), so an already-stuck value stays as it is. ``Armed``
+forces them to those values (``stuck``: ``stuck_at`` 0 or 1, or the complement of the first
+corrupted element's bits at the first application; every element of the pattern is forced to
+that value, so elements already holding it, and later applications, change nothing). ``Armed``
 installs one event on the faulty replica for the duration of one micro-step and records what was
 really corrupted (``event.applied``), which is the ground truth the cross-check scores against.
 
@@ -152,13 +154,14 @@ class Profile:
             for k in table:
                 if k not in keys:
                     raise ValueError(f"{where}.{name}: unknown {k!r}; one of {keys}")
-        pin, gemm_only = self.pin, set(self.sites) <= {"gemm_accumulator"}
+        pin = self.pin
+        gemm_only = ({pin["site"]} if "site" in pin else set(self.sites)) <= {"gemm_accumulator"}
         if "site" in pin and pin["site"] not in SITES:
             raise ValueError(f"{where}.pin.site: one of {SITES}, got {pin['site']!r}")
         for k in ("micro_step", "row", "col"):
             if k in pin and (not isinstance(pin[k], int) or isinstance(pin[k], bool) or pin[k] < 0):
                 raise ValueError(f"{where}.pin.{k}: a whole number >= 0, got {pin[k]!r}")
-        phases = ("forward", "grad_input", "grad_weight", "grad_a", "grad_b", "backward")
+        phases = ("forward", "grad_input", "grad_weight", "grad_a", "grad_b", "backward", "rest")
         if "phase" in pin and pin["phase"] not in phases:
             raise ValueError(f"{where}.pin.phase: one of {phases}, got {pin['phase']!r}")
         if "module" in pin and not isinstance(pin["module"], str):
@@ -184,15 +187,36 @@ class Profile:
         if "micro_step" in pin and pin["micro_step"] >= micro_steps:
             raise ValueError(f"{where}.pin.micro_step: below train.micro_steps ({micro_steps}), "
                              f"got {pin['micro_step']}")
-        if "module" in pin:
-            sites = [pin["site"]] if "site" in pin else list(self.sites)
-            pool = set()
-            for site in sites:
-                pool |= set(tg["gemm"]) if site in GEMM_SITES else set(tg["nongemm"]) \
-                    if site == "nongemm_op" else set(tg["weights"].values())
-            if pin["module"] not in pool:
+        sites = [pin["site"]] if "site" in pin else [k for k, w in self.sites.items() if w > 0]
+        for site in sites:               # every site the profile can draw must take the pins
+            pool = set(tg["gemm"]) if site in GEMM_SITES else set(tg["nongemm"]) \
+                if site == "nongemm_op" else set(tg["weights"].values())
+            mods = [pin["module"]] if "module" in pin else sorted(pool)
+            if "module" in pin and pin["module"] not in pool:
                 raise ValueError(f"{where}.pin.module: {pin['module']!r} is not a target of "
-                                 f"{sites}; one of {sorted(pool)}")
+                                 f"{site}; one of {sorted(pool)}")
+            if "phase" in pin:
+                ok = set.intersection(*(set(_phases(site, tg["gemm"].get(m))) for m in mods))
+                if pin["phase"] not in ok:
+                    raise ValueError(f"{where}.pin.phase: {pin['phase']!r} is not a phase of "
+                                     f"{site} at {pin.get('module', 'every module')}; one of "
+                                     f"{sorted(ok)}")
+
+
+def _phases(site, op):
+    """The phases a site can take on a module (op: linear | matmul | None)."""
+    if site == "gemm_accumulator":
+        return ("forward", "grad_input", "grad_weight") if op == "linear" else \
+            ("forward", "grad_a", "grad_b")
+    if site == "gemm_operand":
+        return ("forward", "backward")
+    if site == "gemm_output":
+        return ("forward", "grad_input", "grad_weight") if op == "linear" else ("forward", "grad_a")
+    if site == "nongemm_op":
+        return ("forward",)
+    if site == "gradient_comm":
+        return ("backward",)
+    return ("rest",)
 
 
 @dataclass
@@ -220,6 +244,7 @@ class FaultEvent:
     trigger: dict = None
     per_gemm: float = None   # a defective unit: fires on each GEMM call with this probability
     every_micro_step: bool = False   # armed in every micro-step (per_gemm, none pinned)
+    stream: int = 0      # the trial's fault stream (seeds the per-call and noise draws)
     stuck_at: int = None
     shared: dict = field(default=None, repr=False, compare=False)   # one stuck fault's memory
 
@@ -354,7 +379,7 @@ def schedule(profile, steps, micro_steps, tg, seed):
             fault = last.fault
         else:
             ev = _draw(profile, rng, tg, micro_steps)
-        events.append(FaultEvent(id=i, step=s, fault=fault, timing=profile.timing,
+        events.append(FaultEvent(id=i, step=s, fault=fault, timing=profile.timing, stream=seed,
                                  shared=shared if profile.timing == "permanent" else {}, **ev))
     return events
 
@@ -389,7 +414,7 @@ def injection(ev, shape, dtype):
         return _hook.Injection(kind="value", value=ev.factor, **kw)
     if ev.kind == "scale":
         return _hook.Injection(kind="scale", value=ev.factor, **kw)
-    z = random.Random(ev.id * 7919 + ev.step).gauss(0.0, 1.0)
+    z = random.Random(f"{ev.stream}/{ev.id}/{ev.step}").gauss(0.0, 1.0)
     return _hook.Injection(kind="scale", value=1.0 + ev.factor * z, **kw)
 
 
@@ -510,7 +535,8 @@ class Armed:
             return False
         if ev.per_gemm is not None:         # a defective unit: each call, with its probability
             self.calls += 1
-            draw = random.Random(f"{ev.id}/{ev.step}/{ctx.labels.get('micro_step')}/{self.calls}")
+            draw = random.Random(f"{ev.stream}/{ev.step}/{ctx.labels.get('micro_step')}/"
+                                 f"{self.calls}")
             if draw.random() >= ev.per_gemm:
                 return False
         slot = self.hook.injection

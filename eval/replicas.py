@@ -219,12 +219,12 @@ def pair_of(rank):
     return rank // 2, ("H" if rank % 2 == 0 else "F"), rank - rank % 2
 
 
-def dist_worker(rank, world, port, run, threads=1):
+def dist_worker(rank, world, port, run, threads=1, parent=None):
     """Entry of one spawned rank: join the gloo group on loopback and call ``run(rank, link)``."""
     import torch.distributed as dist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world))
-    die_with_parent()
+    die_with_parent(parent)
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
@@ -233,7 +233,7 @@ def dist_worker(rank, world, port, run, threads=1):
         dist.destroy_process_group()
 
 
-def die_with_parent():
+def die_with_parent(parent=None):
     """Have the kernel kill this process when its parent dies (Linux), so a killed ``abft eval``
     leaves no rank running on (and writing into) its run folder."""
     import ctypes
@@ -241,7 +241,7 @@ def die_with_parent():
     import sys
     if not sys.platform.startswith("linux"):
         return
-    parent = os.getppid()
+    parent = parent or os.getppid()     # the spawner's pid, passed in: it may be dead already
     libc = ctypes.CDLL(None, use_errno=True)
     if libc.prctl(1, int(signal.SIGKILL), 0, 0, 0) != 0:      # PR_SET_PDEATHSIG
         raise OSError(ctypes.get_errno(), "prctl(PR_SET_PDEATHSIG)")
@@ -270,4 +270,5 @@ def free_port():
 def spawn_pairs(pairs, run, threads=1):
     """Run ``run(rank, link)`` on ``2 x pairs`` local ranks (gloo on loopback)."""
     import torch.multiprocessing as mp
-    mp.spawn(dist_worker, args=(2 * pairs, free_port(), run, threads), nprocs=2 * pairs, join=True)
+    mp.spawn(dist_worker, args=(2 * pairs, free_port(), run, threads, os.getpid()),
+             nprocs=2 * pairs, join=True)

@@ -41,7 +41,7 @@ def summarize(trials):
     causes = collections.defaultdict(collections.Counter)
     by = collections.Counter()
     located = collections.Counter()
-    first = {}                                      # (trial, fault) -> (first event, first alarm)
+    first = {}                                      # distinct fault -> (first event, first alarm)
     false_alarms = {"alarms": 0, "steps": 0, "healthy_replica": 0}
     all_cases = []
     for t in trials:
@@ -73,8 +73,10 @@ def summarize(trials):
                 by[(site, c["by"].split(":")[0] if site == "weight_memory" else "checksum")] += 1
                 if c.get("located") is not None:
                     located[{True: "yes", "row": "row"}.get(c["located"], "no")] += 1
+            if out == "not_applied":
+                continue                # the fault starts when it first really fires
             start = (c["step"], c["micro_step"])
-            f = first.setdefault((t["id"], c["fault"]), [start, None, t.get("micro_steps", 1)])
+            f = first.setdefault(key, [start, None, t.get("micro_steps", 1)])
             f[0] = min(f[0], start)
             if c.get("first_alarm"):
                 hit = tuple(c["first_alarm"])

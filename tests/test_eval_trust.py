@@ -429,7 +429,12 @@ def test_pins_fix_where_a_fault_lands():
 
 @pytest.mark.parametrize("pin,field", [
     ('{ module = "blocks.9.mlp" }', "pin.module"), ('{ micro_step = 2 }', "pin.micro_step"),
-    ('{ colour = 1 }', "pin"), ('{ phase = "sideways" }', "pin.phase")])
+    ('{ colour = 1 }', "pin"), ('{ phase = "sideways" }', "pin.phase"),
+    ('{ phase = "grad_b" }\nsites = { gemm_output = 1.0 }', "pin.phase"),
+    ('{ phase = "backward" }', "pin.phase"),
+    ('{ module = "blocks.0.attn.scores" }\nsites = { gemm_accumulator = 1.0, weight_memory = 1.0 }',
+     "pin.module"),
+    ('{ site = "weight_memory" }\ntiming = "permanent"\nper_gemm = 0.5', "per_gemm")])
 def test_a_bad_pin_is_one_line(tmp_path, capsys, pin, field):
     p = tmp_path / "c.toml"
     p.write_text(f'[[profiles]]\nname = "a"\npin = {pin}\n')
@@ -453,6 +458,9 @@ def test_a_defective_unit_fires_per_gemm_call_and_a_size_trigger_gates_it(base):
     assert len({(r["module"], r["phase"]) for r in applied}) > 1        # any GEMM, not one
     cs = [c for c in crosscheck.cases(rec) if c["outcome"] not in ("not_applied", "masked")]
     assert cs and all(c["outcome"] == "detected" and c["module_ok"] for c in cs)
+    other = run_trial(dict(trial, fault_seed=12345), TINY, base)     # another trial's stream
+    assert [(r["module"], r["phase"]) for e in other["events"] for r in e["applied"]] != \
+        [(r["module"], r["phase"]) for r in applied]
     every = F.Profile("q", rate=1.0, timing="permanent", sites={"gemm_accumulator": 1.0},
                       kinds={"bitflip": 1.0}, bits={"mantissa_low": 1.0}, multi_bit=0.0,
                       per_gemm=1.0)
@@ -569,3 +577,11 @@ def test_a_bit_stuck_at_a_chosen_value(stuck_at, value, changes):
     r, c = ev.applied[0]["row"], ev.applied[0]["col"]
     assert (float(w[r, c]) != value) == changes
     assert (int(w.view(torch.int32)[r, c]) >> 30) & 1 == stuck_at
+
+
+def test_the_hash_is_of_the_resolved_config():
+    bare = campaign.validate(campaign.parse('[[profiles]]\nname = "a"'))
+    spelled = campaign.validate(campaign.parse('[train]\nsteps = 30\n[[profiles]]\nname = "a"\n'
+                                               'rate = 0.2\ntiming = "transient"'))
+    assert campaign.config_hash(bare) == campaign.config_hash(spelled)
+    assert campaign.validate(json.loads(json.dumps(bare))) == bare          # idempotent
