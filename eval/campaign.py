@@ -25,7 +25,7 @@ import time
 import tomllib
 from dataclasses import asdict
 
-from abft.eval.faults import Profile
+from abft.eval.faults import Profile, whole
 from abft.eval.replicas import TrainConfig, pretrain, run_trial
 from abft.eval.sync import MODES
 
@@ -189,11 +189,6 @@ def profile(p):
         if k in kw:
             kw[k] = tuple(kw[k])
     return Profile(**kw)
-
-
-def whole(v):
-    """A whole number (bool is not one)."""
-    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def config_hash(cfg):

@@ -122,7 +122,7 @@ class Profile:
             raise ValueError(f"{where}.timing: one of {TIMINGS}, got {self.timing!r}")
         for name in ("onset", "burst", "quiet"):
             v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or v < 0 or (name == "burst" and v < 1):
+            if not whole(v) or v < 0 or (name == "burst" and v < 1):
                 raise ValueError(f"{where}.{name}: a whole number >= {int(name == 'burst')}, got {v!r}")
         check("sites", self.sites, SITES)
         check("kinds", self.kinds, KINDS)
@@ -132,7 +132,7 @@ class Profile:
         if not _number(self.multi_bit) or not 0 <= self.multi_bit <= 1:
             raise ValueError(f"{where}.multi_bit: a probability in [0, 1], got {self.multi_bit!r}")
         self._validate_pins(where)
-        if not isinstance(self.reseed, int) or isinstance(self.reseed, bool) or self.reseed < 0:
+        if not whole(self.reseed) or self.reseed < 0:
             raise ValueError(f"{where}.reseed: a whole number >= 0, got {self.reseed!r}")
         if self.stuck_at not in (None, 0, 1) or isinstance(self.stuck_at, bool):
             raise ValueError(f"{where}.stuck_at: 0 or 1 (unset: the complement of the first value "
@@ -159,7 +159,7 @@ class Profile:
         if "site" in pin and pin["site"] not in SITES:
             raise ValueError(f"{where}.pin.site: one of {SITES}, got {pin['site']!r}")
         for k in ("micro_step", "row", "col"):
-            if k in pin and (not isinstance(pin[k], int) or isinstance(pin[k], bool) or pin[k] < 0):
+            if k in pin and (not whole(pin[k]) or pin[k] < 0):
                 raise ValueError(f"{where}.pin.{k}: a whole number >= 0, got {pin[k]!r}")
         phases = ("forward", "grad_input", "grad_weight", "grad_a", "grad_b", "backward", "rest")
         if "phase" in pin and pin["phase"] not in phases:
@@ -167,8 +167,7 @@ class Profile:
         if "module" in pin and not isinstance(pin["module"], str):
             raise ValueError(f"{where}.pin.module: a module name, got {pin['module']!r}")
         t = self.trigger
-        if "min_k" in t and (not isinstance(t["min_k"], int) or isinstance(t["min_k"], bool)
-                             or t["min_k"] < 1):
+        if "min_k" in t and (not whole(t["min_k"]) or t["min_k"] < 1):
             raise ValueError(f"{where}.trigger.min_k: a whole number >= 1, got {t['min_k']!r}")
         if "operand_above" in t and (not _number(t["operand_above"]) or t["operand_above"] <= 0):
             raise ValueError(f"{where}.trigger.operand_above: a number > 0, got {t['operand_above']!r}")
@@ -259,6 +258,11 @@ class FaultEvent:
         if self.stuck_bits:
             d["stuck"] = shared.get("value")
         return d
+
+
+def whole(v):
+    """A whole number (bool is not one)."""
+    return isinstance(v, int) and not isinstance(v, bool)
 
 
 def _number(v):

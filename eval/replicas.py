@@ -49,7 +49,7 @@ class TrainConfig:
                     raise ValueError(f"{where}.lr: a finite number > 0, got {v!r}")
                 continue
             low = 0 if k in ("seed", "pretrain_steps", "eval_every") else 1
-            if not isinstance(v, int) or isinstance(v, bool) or v < low:
+            if not F.whole(v) or v < low:
                 raise ValueError(f"{where}.{k}: a whole number >= {low}, got {v!r}")
         if self.dim % self.heads:
             raise ValueError(f"{where}.dim: a multiple of heads ({self.heads}), got {self.dim}")
