@@ -57,6 +57,7 @@ def main():
         print(f"rank {rank} step {step:3d} loss {loss.item():.4f} {verdict}", flush=True)
     guard.close()
     if dist.is_initialized():
+        dist.barrier()              # no rank tears its connections down while another still reads
         dist.destroy_process_group()
 
 

@@ -164,16 +164,34 @@ def test_ddp_two_ranks_agree_and_a_transient_rerun_matches_fault_free(tmp_path):
     assert tracks[1][1]["alarms"] and not tracks[0][1]["alarms"]
 
 
-def test_example_runs_under_torchrun(tmp_path):
+def _torchrun_example(folder):
     import subprocess
     import sys
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
-                          "--master_port", str(free_port()),
-                          os.path.join(root, "examples", "train_guarded.py"), "--steps", "4",
-                          "--fault-step", "2", "--tracker", str(tmp_path / "t-{rank}.jsonl")],
-                         capture_output=True, text=True, timeout=300)
-    assert out.returncode == 0, out.stderr[-2000:]
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
+                           "--master_port", str(free_port()),
+                           os.path.join(root, "examples", "train_guarded.py"), "--steps", "4",
+                           "--fault-step", "2", "--tracker", str(folder / "t-{rank}.jsonl")],
+                          capture_output=True, text=True, timeout=300)
+
+
+def _why(out):
+    """What a failed torchrun printed that says why: the ranks' own error lines, then the tail."""
+    keys = ("terminate called", "what():", "Error", "error:", "Signal", "exitcode")
+    lines = [x for x in out.stderr.splitlines() if any(k in x for k in keys)]
+    return "\n".join(lines[:40]) + "\n--- tail ---\n" + out.stderr[-1500:]
+
+
+def test_example_runs_under_torchrun(tmp_path):
+    out = _torchrun_example(tmp_path / "first")
+    if out.returncode != 0 and "SIGABRT" in out.stderr:
+        # rank 0 aborted once in CI (SIGABRT; the log kept only torchrun's summary, so the cause,
+        # likely gloo's TCP transport as in pytorch/gloo#514, is not known); not reproduced in 20
+        # runs here. One retry; what the ranks printed goes into the warning for the next time.
+        import warnings
+        warnings.warn("torchrun example aborted (SIGABRT), retried once:\n" + _why(out))
+        out = _torchrun_example(tmp_path / "retry")
+    assert out.returncode == 0, _why(out)
     # the two ranks share stdout, so a line may hold both: count the records, not the lines
     assert len(re.findall(r"rank [01] step +\d", out.stdout)) == 8
     assert out.stdout.count("rerun transient alarms per rank [0, 1]") == 2
