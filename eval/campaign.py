@@ -25,6 +25,8 @@ import time
 import tomllib
 from dataclasses import asdict
 
+import torch
+
 from abft.eval.faults import Profile, whole
 from abft.eval.replicas import TrainConfig, pretrain, run_trial
 from abft.eval.sync import MODES
@@ -165,6 +167,8 @@ def validate(cfg):
         prof = profile(p).validate(f"{where} ({name})")
         for k, v in asdict(prof).items():      # resolved: the hash covers every default
             p.setdefault(k, list(v) if isinstance(v, tuple) else v)
+        gpu = cfg["backend"] == "auto" and torch.cuda.is_available()   # auto: triton on CUDA
+        prof.check_backend("triton" if gpu else cfg["backend"], f"{where} ({name})")
         if prof.pin:
             from abft.eval.faults import targets
             tg = tg or targets(tc.model())

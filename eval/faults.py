@@ -5,7 +5,8 @@ A ``Profile`` is one unhealthy node: how often it corrupts (``rate``), when (``t
 delayed ``onset``, ``permanent`` from ``onset`` on, the same unit every step), where (``sites``),
 how (``kinds``, ``bits``, ``multi_bit``) and in what shape (``patterns``; ``periodic``: runs of
 four wrong elements repeating along a row, as AEGIS saw on faulty GPUs). ``pin`` fixes any of
-site, module, phase, micro-step, row and column; ``trigger`` makes a GEMM fault fire only on
+site, module, phase, micro-step, row, column and (for ``optimizer_state``) the Adam moment;
+``trigger`` makes a GEMM fault fire only on
 products with an inner dimension of at least ``min_k`` or an operand value of magnitude at least
 ``operand_above`` (the load-dependent defects); ``per_gemm`` makes a permanent GEMM fault a
 defective unit that fires on each GEMM call (any module and phase, unless pinned) with that
@@ -51,7 +52,8 @@ GEMM_SITES = SITES[:3]
 KINDS = ("zero", "bitflip", "signflip", "nonfinite", "scale", "noise")
 BIT_CLASSES = ("sign", "exponent_msb", "exponent", "mantissa_high", "mantissa_low")
 PATTERNS = ("element", "row", "column", "strided", "tile", "periodic")
-PINS = ("site", "module", "phase", "micro_step", "row", "col")
+PINS = ("site", "module", "phase", "micro_step", "row", "col", "state")
+STATES = ("exp_avg", "exp_avg_sq")
 TRIGGERS = ("min_k", "operand_above")
 TIMINGS = ("transient", "intermittent", "permanent")
 PHASES = ("forward", "backward")
@@ -164,6 +166,11 @@ class Profile:
         phases = ("forward", "grad_input", "grad_weight", "grad_a", "grad_b", "backward", "rest")
         if "phase" in pin and pin["phase"] not in phases:
             raise ValueError(f"{where}.pin.phase: one of {phases}, got {pin['phase']!r}")
+        if "state" in pin and pin["state"] not in STATES:
+            raise ValueError(f"{where}.pin.state: one of {STATES}, got {pin['state']!r}")
+        if "state" in pin and ({pin["site"]} if "site" in pin else
+                               {k for k, w in self.sites.items() if w > 0}) != {"optimizer_state"}:
+            raise ValueError(f"{where}.pin.state: optimizer_state faults only (sites)")
         if "module" in pin and not isinstance(pin["module"], str):
             raise ValueError(f"{where}.pin.module: a module name, got {pin['module']!r}")
         t = self.trigger
@@ -179,6 +186,29 @@ class Profile:
             if self.timing != "permanent" or not gemm_only:
                 raise ValueError(f"{where}.per_gemm: a permanent (timing) GEMM-accumulator "
                                  f"(sites) defect only")
+
+    def check_backend(self, backend, where="profile"):
+        """The triton backend corrupts the fused kernel's fp32 accumulator in the kernel: one
+        element, one bit flipped or the element zeroed (``abft.faults.kernel_injection``). A
+        profile that can draw another accumulator fault there is refused before the run."""
+        sites = {self.pin["site"]} if "site" in self.pin else {k for k, w in self.sites.items() if w}
+        if backend != "triton" or not self.rate or "gemm_accumulator" not in sites:
+            return
+        drawn = lambda table: sorted(k for k, w in table.items() if w > 0)   # noqa: E731
+        if drawn(self.patterns) != ["element"]:
+            raise ValueError(f"{where}.patterns: the triton backend injects element accumulator "
+                             f"faults only, got {drawn(self.patterns)}")
+        other = [k for k in drawn(self.kinds) if k not in ("bitflip", "signflip", "zero")]
+        if other:
+            raise ValueError(f"{where}.kinds: the triton backend injects bitflip, signflip and "
+                             f"zero accumulator faults only, got {other}")
+        flips = {"bitflip", "signflip"} & set(drawn(self.kinds))
+        if "bitflip" in flips and self.multi_bit > 0:
+            raise ValueError(f"{where}.multi_bit: 0 under the triton backend (it flips one bit), "
+                             f"got {self.multi_bit!r}")
+        if flips and self.timing == "permanent":
+            raise ValueError(f"{where}.timing: a permanent bit fault is a stuck bit, which the "
+                             f"triton backend does not inject; use transient or intermittent")
 
     def check_targets(self, tg, micro_steps, where="profile"):
         """The pins against a model's targets (``targets(model)``)."""
@@ -325,7 +355,7 @@ def _draw(profile, rng, tg, micro_steps):
             param = next(p for p, m in sorted(tg["weights"].items()) if m == pin["module"])
         ev.update(module=tg["weights"][param], param=param, phase="rest")
         if site == "optimizer_state":
-            ev.update(state=rng.choice(("exp_avg", "exp_avg_sq")), micro_step=0)
+            ev.update(state=pin.get("state", rng.choice(STATES)), micro_step=0)
         elif site == "gradient_comm":
             ev.update(phase="backward", micro_step=micro_steps - 1)
     kind = _pick(rng, profile.kinds)

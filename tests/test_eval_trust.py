@@ -370,6 +370,13 @@ BAD = [
     ('[[profiles]]\nname = "a"\nmulti_bit = "x"', "multi_bit"),
     ('threads = 0\n[[profiles]]\nname = "a"', "threads"),
     ('[train]\nsteps = 5\n[[profiles]]\nname = "a"\nonset = 5', "onset"),
+    # the triton backend injects one element's bit flip or zero in the kernel, nothing else
+    ('backend = "triton"\n[[profiles]]\nname = "a"', "kinds"),
+    ('backend = "triton"\n[[profiles]]\nname = "a"\nkinds = { zero = 1 }\n'
+     'patterns = { periodic = 1 }', "patterns"),
+    ('backend = "triton"\n[[profiles]]\nname = "a"\nkinds = { bitflip = 1 }', "multi_bit"),
+    ('backend = "triton"\n[[profiles]]\nname = "a"\nkinds = { signflip = 1 }\n'
+     'timing = "permanent"', "timing"),
 ]
 
 
@@ -382,6 +389,15 @@ def test_bad_config_is_one_line_naming_the_field(tmp_path, capsys, text, field):
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and field in err, err
     assert not out.exists()                          # nothing half-written
+
+
+def test_the_triton_backend_takes_what_its_kernel_injects():
+    from abft.eval.campaign import parse, validate
+    ok = ('backend = "triton"\n[[profiles]]\nname = "a"\nkinds = { bitflip = 1, zero = 1 }\n'
+          'multi_bit = 0.0\ntiming = "intermittent"\n'
+          '[[profiles]]\nname = "b"\nsites = { weight_memory = 1 }\ntiming = "permanent"')
+    cfg = validate(parse(ok, "toml"))
+    assert [p["name"] for p in cfg["profiles"]] == ["a", "b"]
 
 
 @pytest.mark.parametrize("args,field", [
@@ -427,6 +443,14 @@ def test_pins_fix_where_a_fault_lands():
         assert (inj.row, inj.col) == (3, 5)
 
 
+def test_a_pinned_adam_moment_is_the_one_corrupted():
+    tg = F.targets(TINY.model())
+    for state in F.STATES:
+        prof = F.Profile("p", rate=1.0, sites={"optimizer_state": 1.0}, pin={"state": state})
+        events = F.schedule(prof.validate(), 8, 2, tg, 3)
+        assert events and {e.state for e in events} == {state}
+
+
 @pytest.mark.parametrize("pin,field", [
     ('{ module = "blocks.9.mlp" }', "pin.module"), ('{ micro_step = 2 }', "pin.micro_step"),
     ('{ colour = 1 }', "pin"), ('{ phase = "sideways" }', "pin.phase"),
@@ -434,7 +458,9 @@ def test_pins_fix_where_a_fault_lands():
     ('{ phase = "backward" }', "pin.phase"),
     ('{ module = "blocks.0.attn.scores" }\nsites = { gemm_accumulator = 1.0, weight_memory = 1.0 }',
      "pin.module"),
-    ('{ site = "weight_memory" }\ntiming = "permanent"\nper_gemm = 0.5', "per_gemm")])
+    ('{ site = "weight_memory" }\ntiming = "permanent"\nper_gemm = 0.5', "per_gemm"),
+    ('{ state = "exp_avg" }', "pin.state"),
+    ('{ site = "optimizer_state", state = "momentum" }', "pin.state")])
 def test_a_bad_pin_is_one_line(tmp_path, capsys, pin, field):
     p = tmp_path / "c.toml"
     p.write_text(f'[[profiles]]\nname = "a"\npin = {pin}\n')
