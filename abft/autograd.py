@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 from torch.library import custom_op
 
-from abft import decompose, ops, weightcache
+from abft import decompose, dtensor, ops, weightcache
 from abft.decompose import rows2d
 from abft.kernels.reference import weight_stats
 
@@ -315,6 +315,7 @@ def _autocast(device_type, *ts):
 
 
 def _call(fn, device_type, tensors, *rest):
+    dtensor.ensure()
     tensors, cast = _autocast(device_type, *tensors)
     if cast:
         with torch.autocast(device_type, enabled=False):

@@ -1,0 +1,138 @@
+"""abft's ops on DTensor operands (tensor and sequence parallelism, FSDP2's unsharded compute).
+
+DTensor runs an op on each rank's local shards under placements the op declares. These are the
+placements torch's own product takes, one mesh dimension at a time: everything replicated; a
+batch or row dimension sharded (the output sharded alike); the output columns sharded (the second
+operand, and a bias, sharded by columns); or the inner dimension sharded on both operands (a
+partial sum, reduced by DTensor afterwards; a bias becomes partial too). So each rank's checked
+GEMM is the product it computes, and checks it on its own shard: the check is local, its alarm
+names the rank. The backward products (``abft::grad_product``) take the same rules.
+
+Registration costs an import of ``torch.distributed.tensor`` (about 2 s), so it happens on the
+first checked call made while that module is loaded: before it, no DTensor can exist.
+"""
+import sys
+
+_done = False
+
+
+def ensure():
+    """Register the placements once DTensor is in use (cheap to call on every product)."""
+    global _done
+    if not _done and "torch.distributed.tensor" in sys.modules:
+        _done = True
+        _register()
+
+
+def _offered(placements, dim):
+    """The shardings of tensor dimension ``dim`` to offer: plain, plus each strided one
+    (``_StridedShard``, what DTensor makes of a flattened sharded view) the operand holds."""
+    from torch.distributed.tensor import Shard
+    out = [Shard(dim)]
+    for p in placements:
+        if type(p).__name__ == "_StridedShard" and p.dim == dim and p not in out:
+            out.append(p)
+    return out
+
+
+def _moved(p, dim):
+    """The same kind of sharding as ``p`` (plain or strided) on tensor dimension ``dim``."""
+    from torch.distributed.tensor import Shard
+    return Shard(dim) if type(p) is Shard else type(p)(dim, split_factor=p.split_factor)
+
+
+def _sharded(p):
+    return type(p).__name__ in ("Shard", "_StridedShard")
+
+
+def product_rules(a, b, pa=(), pb=()):
+    """(output, a, b) placements of ``torch.matmul(a, b)`` for one mesh dimension, from the
+    operand shapes ``a``, ``b`` and the placements they hold (``pa``, ``pb``); 1-D operands are
+    replicated only."""
+    from torch.distributed.tensor import Partial, Replicate
+    R = Replicate()
+    rules = [(R, R, R)]
+    na, nb = len(a), len(b)
+    if na < 2 or nb < 2:
+        return rules
+    out_nd = max(na, nb)
+    for d in range(out_nd - 2):                 # batch dimensions, aligned from the right
+        ia, ib = d - (out_nd - na), d - (out_nd - nb)
+        size = max(a[ia] if ia >= 0 else 1, b[ib] if ib >= 0 else 1)
+        has_a, has_b = ia >= 0 and a[ia] == size, ib >= 0 and b[ib] == size
+        if size > 1:
+            for p in _offered(pa, ia) if has_a else _offered(pb, ib):
+                rules.append((_moved(p, d), _moved(p, ia) if has_a else R,
+                              _moved(p, ib) if has_b else R))
+    rules += [(_moved(p, out_nd - 2), p, R) for p in _offered(pa, na - 2)]      # rows of a
+    rules += [(_moved(p, out_nd - 1), R, p) for p in _offered(pb, nb - 1)]      # columns of b
+    inner = _offered(pa, na - 1) + [_moved(p, na - 1) for p in _offered(pb, nb - 2)]
+    for p in dict.fromkeys(inner):              # the inner dimension: a partial sum
+        rules.append((Partial(), p, _moved(p, nb - 2)))
+    return rules
+
+
+def _bias(p, bias, out):
+    """The placement of an added (broadcast) ``bias`` beside an output placed ``p``."""
+    from torch.distributed.tensor import Partial, Replicate
+    if bias is None:
+        return None
+    if isinstance(p, Partial):
+        return Partial()
+    if _sharded(p):
+        i = p.dim - (len(out) - len(bias))      # the bias dimension under the output's
+        if i >= 0 and bias[i] == out[p.dim]:
+            return _moved(p, i)
+    return Replicate()
+
+
+def linear_rules(x, w, b, px=(), pw=()):
+    """(output, x, w, b) placements of ``F.linear(x, w, b)``: x (..., K), w (N, K), b (N,)."""
+    out = (*x[:-1], w[0])
+    flip = lambda p: _moved(p, 1 - p.dim) if _sharded(p) else p     # noqa: E731  (w = b^T)
+    rules = []
+    for o, qx, qw in product_rules(x, (w[1], w[0]), px, [flip(p) for p in pw]):
+        rules.append((o, qx, flip(qw), _bias(o, b, out)))
+    return rules
+
+
+def _shape(spec):
+    return None if spec is None else tuple(spec.shape)
+
+
+def _held(spec):
+    return () if spec is None else tuple(spec.placements)
+
+
+def _register():
+    import torch
+    from torch.distributed.tensor.experimental import register_sharding
+
+    ops = torch.ops.abft
+
+    def product(a, b, extra):
+        return [([o], [qa, qb, *([None] * extra)]) for o, qa, qb in
+                product_rules(_shape(a), _shape(b), _held(a), _held(b))]
+
+    @register_sharding(ops.linear.default)
+    def _(x, w, b, module, wkey):
+        return [([o], [qx, qw, qb, None, None]) for o, qx, qw, qb in
+                linear_rules(_shape(x), _shape(w), _shape(b), _held(x), _held(w))]
+
+    @register_sharding(ops.matmul.default)
+    def _(a, b, a_rg, b_rg, module):
+        return product(a, b, 3)
+
+    @register_sharding([ops.mm.default, ops.bmm.default])
+    def _(a, b, module):
+        return product(a, b, 1)
+
+    @register_sharding(ops.grad_product.default)
+    def _(a, b, kind, op, phase, module):
+        return product(a, b, 4)
+
+    @register_sharding([ops.addmm.default, ops.baddbmm.default])
+    def _(input, m1, m2, beta, alpha, module):
+        out = (*_shape(m1)[:-1], _shape(m2)[-1])
+        return [([o], [_bias(o, _shape(input), out), qa, qb, None, None, None])
+                for o, qa, qb in product_rules(_shape(m1), _shape(m2), _held(m1), _held(m2))]

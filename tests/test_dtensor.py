@@ -1,0 +1,311 @@
+"""abft's ops on DTensor: tensor and sequence parallelism with 2 gloo ranks on the CPU.
+
+Each scenario builds the same model twice, parallelizes both with one plan, protects one, and
+compares: outputs, gradients and losses must equal the unprotected parallel model's bit for bit,
+every product must be checked on every rank, and a fault on one rank must alarm there only.
+"""
+import contextlib
+import json
+import os
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+import abft
+from abft.eval.replicas import free_port
+
+
+def _mlp():
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 16))
+
+
+class _Block(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.norm, self.up, self.down = nn.LayerNorm(16), nn.Linear(16, 32), nn.Linear(32, 16)
+
+    def forward(self, x):
+        return self.down(torch.relu(self.up(self.norm(x))))
+
+
+def _pair(make, mesh, plan):
+    """Two copies of one model, both parallelized by ``plan``; the second is protected."""
+    from torch.distributed.tensor.parallel import parallelize_module
+    models = []
+    for _ in range(2):
+        torch.manual_seed(0)
+        models.append(parallelize_module(make(), mesh, plan))
+    abft.protect(models[1])
+    return models
+
+
+def _local(t):
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _same(a, b):
+    return all(torch.equal(_local(x), _local(y)) for x, y in zip(a, b))
+
+
+def _grads(m):
+    return [p.grad for p in m.parameters()]
+
+
+def _alarms():
+    return [[a.rank, a.module, a.phase] for a in abft.flush()]
+
+
+def _checked(m):
+    """Checked calls per module on this rank, from abft.coverage()."""
+    return {r["module"]: r["checked"] for r in abft.coverage() if r["checked"]}
+
+
+def _run(ref, m, x):
+    """One forward and backward of each: ``ref`` plain, ``m`` under ``abft.checked``."""
+    out = []
+    for model in (ref, m):
+        with abft.checked(model) if model is m else contextlib.nullcontext():
+            y = model(x)
+            y.square().sum().backward()
+        out.append(y)
+    return out
+
+
+def _tp_mlp(rank, mesh):
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    ref, m = _pair(_mlp, mesh, {"0": ColwiseParallel(), "2": RowwiseParallel()})
+    x = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(1))
+    abft.reset()
+    y_ref, y = _run(ref, m, x)
+    res = dict(out=_same([y_ref], [y]), grads=_same(_grads(ref), _grads(m)), checked=_checked(m),
+               alarms=_alarms())
+    # a fault in rank 1's grad_weight product of the row-parallel layer
+    inj = abft.inject(when=lambda c: c.module == "2" and c.phase == "grad_weight", kind="add",
+                      value=50.0) if rank == 1 else None
+    if inj:
+        inj.start()
+    _run(ref, m, x)
+    if inj:
+        inj.stop()
+    res["fault_alarms"] = _alarms()
+    return res
+
+
+def _SP_PLAN():
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, RowwiseParallel,
+                                                   SequenceParallel)
+    return {"norm": SequenceParallel(), "up": ColwiseParallel(input_layouts=Shard(1)),
+            "down": RowwiseParallel(output_layouts=Shard(1))}
+
+
+def _sp_block(rank, mesh):
+    ref, m = _pair(_Block, mesh, _SP_PLAN())
+    x = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(2))
+    mine = x[:, 4 * rank:4 * rank + 4]                    # this rank's part of the sequence
+    abft.reset()
+    y_ref, y = _run(ref, m, mine)
+    return dict(out=_same([y_ref], [y]), shape=list(_local(y).shape),
+                grads=_same(_grads(ref), _grads(m)), checked=_checked(m), alarms=_alarms())
+
+
+def _ops(rank, mesh):
+    """Each checked op on DTensor operands under batch, row, column and inner-dim sharding."""
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    g = torch.Generator().manual_seed(3)
+
+    def dt(shape, placement):
+        t = torch.randn(*shape, generator=g)
+        return distribute_tensor(t, mesh, [placement]).requires_grad_()
+
+    cases = {
+        "matmul heads": (torch.matmul, abft.matmul, [((2, 4, 8, 6), Shard(1)), ((2, 4, 6, 8), Shard(1))]),
+        "matmul rows": (torch.matmul, abft.matmul, [((2, 8, 6), Shard(1)), ((6, 5), Replicate())]),
+        "mm inner": (torch.mm, abft.mm, [((8, 6), Shard(1)), ((6, 5), Shard(0))]),
+        "mm columns": (torch.mm, abft.mm, [((8, 6), Replicate()), ((6, 4), Shard(1))]),
+        "bmm batch": (torch.bmm, abft.bmm, [((4, 8, 6), Shard(0)), ((4, 6, 5), Shard(0))]),
+        "addmm rows": (torch.addmm, abft.addmm,
+                       [((8, 5), Shard(0)), ((8, 6), Shard(0)), ((6, 5), Replicate())]),
+        "addmm inner": (torch.addmm, abft.addmm,
+                        [((5,), Replicate()), ((8, 6), Shard(1)), ((6, 5), Shard(0))]),
+        "baddbmm batch": (torch.baddbmm, abft.baddbmm,
+                          [((4, 1, 5), Replicate()), ((4, 8, 6), Shard(0)), ((4, 6, 5), Shard(0))]),
+    }
+    res = {}
+    for name, (theirs, ours, specs) in cases.items():
+        args = [dt(s, p) for s, p in specs]
+        twin = [a.detach().clone().requires_grad_() for a in args]
+        abft.reset()
+        y, y_ref = ours(*args, module=name), theirs(*twin)
+        y.square().sum().backward()
+        y_ref.square().sum().backward()
+        res[name] = dict(out=torch.equal(y.full_tensor(), y_ref.full_tensor()),
+                         placements=str(y.placements),
+                         grads=all(torch.equal(a.grad.full_tensor(), b.grad.full_tensor())
+                                   for a, b in zip(args, twin)),
+                         checked=sum(r["checked"] for r in abft.coverage()),
+                         unchecked=sum(r["unverified"] + r["unprotected"] for r in abft.coverage()))
+    res["alarms"] = _alarms()
+    return res
+
+
+def _llama(rank, mesh):
+    """A transformers Llama with the usual TP plan, trained 3 steps with AdamW (no clipping:
+    torch's clip_grad_norm_ refuses the mix of DTensor and plain parameters a TP-only plan
+    leaves, protected or not)."""
+    import transformers
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                   num_hidden_layers=2, num_attention_heads=4,
+                                   num_key_value_heads=2, max_position_embeddings=64,
+                                   attn_implementation="eager")
+    plan = {}
+    for i in range(cfg.num_hidden_layers):
+        for p in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "mlp.gate_proj",
+                  "mlp.up_proj"):
+            plan[f"model.layers.{i}.{p}"] = ColwiseParallel()
+        for p in ("self_attn.o_proj", "mlp.down_proj"):
+            plan[f"model.layers.{i}.{p}"] = RowwiseParallel()
+    ref, m = _pair(lambda: transformers.LlamaForCausalLM(cfg), mesh, plan)
+    opts = [torch.optim.AdamW(x.parameters(), lr=1e-2) for x in (ref, m)]
+    g = torch.Generator().manual_seed(4)
+    losses, checked = [[], []], None
+    abft.reset()
+    for step in range(3):
+        ids = torch.randint(0, 64, (2, 16), generator=g)
+        for i, (model, opt) in enumerate(zip((ref, m), opts)):
+            with abft.checked(model) if model is m else contextlib.nullcontext():
+                loss = model(input_ids=ids, labels=ids).loss
+                loss.backward()
+            opt.step()
+            opt.zero_grad()
+            losses[i].append(loss.item())
+        if step == 0:
+            checked = _checked(m)
+    return dict(losses=losses, params=_same(list(ref.parameters()), list(m.parameters())),
+                checked=checked, alarms=_alarms())
+
+
+def _fsdp_tp(rank, mesh):
+    """FSDP2 over "dp" and TP over "tp" on a 2 x 2 mesh, trained 3 steps (AdamW, clipping)."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import parallelize_module
+    models = []
+    for _ in range(2):            # sequence parallel norm: every parameter on the 2-D mesh
+        torch.manual_seed(0)
+        m = parallelize_module(_Block(), mesh["tp"], _SP_PLAN())
+        models.append(fully_shard(m, mesh=mesh["dp"]))
+    ref, m = models
+    abft.protect(m)
+    opts = [torch.optim.AdamW(x.parameters(), lr=1e-2) for x in models]
+    g = torch.Generator().manual_seed(5 + mesh["dp"].get_local_rank())   # data differs by dp rank
+    losses = [[], []]
+    abft.reset()
+    for step in range(3):
+        tp = mesh["tp"].get_local_rank()
+        x = torch.randn(4, 8, 16, generator=g)[:, 4 * tp:4 * tp + 4]
+        for i, (model, opt) in enumerate(zip(models, opts)):
+            with abft.checked(model) if model is m else contextlib.nullcontext():
+                loss = model(x).square().mean()
+                loss.backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            losses[i].append(loss.item())
+    return dict(losses=losses, params=_same(list(ref.parameters()), list(m.parameters())),
+                placements=[str(p.placements) for p in m.parameters()], checked=_checked(m),
+                alarms=_alarms())
+
+
+SCENARIOS = {"tp_mlp": _tp_mlp, "sp_block": _sp_block, "ops": _ops, "llama": _llama,
+             "fsdp_tp": _fsdp_tp}
+
+
+def _worker(rank, port, out, name, world):
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")) if world == 4 \
+            else init_device_mesh("cpu", (2,))
+        res = SCENARIOS[name](rank, mesh)
+        with open(os.path.join(out, f"{name}-{rank}.json"), "w") as f:
+            json.dump(res, f)
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _spawn(tmp_path, name, world=2):
+    mp.spawn(_worker, args=(free_port(), str(tmp_path), name, world), nprocs=world, join=True)
+    return [json.load(open(tmp_path / f"{name}-{r}.json")) for r in range(world)]
+
+
+def test_column_and_row_parallel_linears_are_checked_on_every_rank(tmp_path):
+    for rank, res in enumerate(_spawn(tmp_path, "tp_mlp")):
+        assert res["out"] and res["grads"], res
+        # forward and grad_weight in the column-parallel layer (its input needs no gradient),
+        # forward, grad_input and grad_weight in the row-parallel one
+        assert res["checked"] == {"0": 2, "2": 3}, res
+        assert res["alarms"] == []
+        assert res["fault_alarms"] == ([[1, "2", "grad_weight"]] if rank else []), res
+
+
+def test_sequence_parallel_block_is_checked_and_equal(tmp_path):
+    for res in _spawn(tmp_path, "sp_block"):
+        assert res["out"] and res["grads"] and res["shape"] == [4, 4, 16], res
+        assert res["checked"] == {"up": 3, "down": 3} and res["alarms"] == [], res
+
+
+def test_every_checked_op_takes_dtensor_operands(tmp_path):
+    for res in _spawn(tmp_path, "ops"):
+        assert res.pop("alarms") == []
+        for name, r in res.items():
+            assert r["out"] and r["grads"], (name, r)
+            assert r["checked"] == 3 and r["unchecked"] == 0, (name, r)   # forward + 2 grads
+        assert "Partial" in res["mm inner"]["placements"]
+        assert "Shard(dim=1)" in res["matmul heads"]["placements"]
+        assert "Shard(dim=0)" in res["bmm batch"]["placements"]
+
+
+def test_llama_with_a_tensor_parallel_plan_trains_bit_for_bit(tmp_path):
+    pytest.importorskip("transformers")
+    for res in _spawn(tmp_path, "llama"):
+        assert res["losses"][0] == res["losses"][1] and res["params"], res
+        linears = {f"model.layers.{i}.{p}" for i in range(2) for p in (
+            "self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+        assert linears <= set(res["checked"]), res["checked"]
+        assert res["alarms"] == []
+
+
+def test_fsdp2_and_tensor_parallel_on_a_2d_mesh(tmp_path):
+    results = _spawn(tmp_path, "fsdp_tp", world=4)
+    for res in results:
+        assert res["losses"][0] == res["losses"][1] and res["params"], res
+        assert all("Shard" in p for p in res["placements"]), res["placements"]
+        assert res["checked"] == {"up": 9, "down": 9} and res["alarms"] == [], res
+    assert results[0]["losses"] != results[2]["losses"]        # the dp ranks saw other data
+
+
+def test_the_tp_fsdp_example_runs_under_torchrun_on_4_ranks(tmp_path):
+    import re
+    import subprocess
+    import sys
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4",
+                          "--master_port", str(free_port()),
+                          os.path.join(root, "examples", "train_tp_fsdp.py"), "--steps", "5",
+                          "--fault-step", "2", "--tracker", str(tmp_path / "t-{rank}.jsonl")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert len(re.findall(r"rank [0-3] \(dp [01], tp [01]\) step +\d", out.stdout)) == 20
+    # the fault on rank 3 at step 2: every rank reruns the step alike and goes on
+    assert out.stdout.count("rerun transient alarms per rank [0, 0, 0, 1]") == 4
+    # 5 steps + 1 rerun, 3 products each (forward, grad_input, grad_weight), on every rank
+    assert out.stdout.count("{'0.down': 18, '0.up': 18, '1.down': 18, '1.up': 18}") == 4
