@@ -45,7 +45,27 @@ class Alarm:
         loc = f"row {self.row}, col {self.col}" if self.row is not None else "unlocated"
         b = f" batch {self.batch}" if self.batch else ""
         return (f"{self.op}/{self.phase} in {self.module or '<top>'} (step {self.step}, call "
-                f"{self.call_id}){b} tile {self.tile}: {loc}")
+                f"{self.call_id}){b} tile {self.tile}: {loc}{self._shard()}")
+
+    def global_index(self):
+        """(batch..., row, col) in the global tensor of a DTensor product (``labels["shard"]``
+        gives the shard's offset), else None."""
+        off = (self.labels.get("shard") or {}).get("offset")
+        if off is None or self.row is None or self.col is None:
+            return None
+        idx = (*self.batch, self.row, self.col)
+        if len(idx) != len(off):
+            return None
+        return tuple(int(i) + int(o) for i, o in zip(idx, off))
+
+    def _shard(self):
+        sh = self.labels.get("shard")
+        if not sh:
+            return ""
+        g = self.global_index()
+        at = f"global {g}, " if g is not None else ""
+        part = ", a partial sum over the inner dimension" if sh.get("partial") else ""
+        return f" ({at}rank {self.rank}, mesh coordinate {sh.get('coordinate')}{part})"
 
     def __str__(self):
         return (f"abft alarm [{self.kind}] {self.where()}; residual {self.residual:.4g} vs "

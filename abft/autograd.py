@@ -37,7 +37,7 @@ def _(a, b, kind, op, phase, module):
 
 
 def _g(kind, a, b, op, phase, module):
-    return torch.ops.abft.grad_product(a, b, kind, op, phase, module)
+    return dtensor.located(torch.ops.abft.grad_product, a, b, kind, op, phase, module)
 
 
 # -- linear ------------------------------------------------------------------------------------
@@ -319,8 +319,8 @@ def _call(fn, device_type, tensors, *rest):
     tensors, cast = _autocast(device_type, *tensors)
     if cast:
         with torch.autocast(device_type, enabled=False):
-            return fn(*tensors, *rest)
-    return fn(*tensors, *rest)
+            return dtensor.located(fn, *tensors, *rest)
+    return dtensor.located(fn, *tensors, *rest)
 
 
 def matmul(a, b, *, module=None):

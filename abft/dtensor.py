@@ -6,14 +6,19 @@ batch or row dimension sharded (the output sharded alike); the output columns sh
 operand, and a bias, sharded by columns); or the inner dimension sharded on both operands (a
 partial sum, reduced by DTensor afterwards; a bias becomes partial too). So each rank's checked
 GEMM is the product it computes, and checks it on its own shard: the check is local, its alarm
-names the rank. The backward products (``abft::grad_product``) take the same rules.
+names the rank. The backward products (``abft::grad_product``) take the same rules. ``located``
+runs a product so that its alarms carry ``labels["shard"]``: this rank's mesh coordinate, the
+output shard's offset in the global tensor, and whether the local product is a partial sum.
 
 Registration costs an import of ``torch.distributed.tensor`` (about 2 s), so it happens on the
 first checked call made while that module is loaded: before it, no DTensor can exist.
 """
 import sys
 
+from abft import context
+
 _done = False
+_NONE = object()
 
 
 def ensure():
@@ -22,6 +27,41 @@ def ensure():
     if not _done and "torch.distributed.tensor" in sys.modules:
         _done = True
         _register()
+
+
+def _is_dtensor(t):
+    return type(t).__name__ == "DTensor"
+
+
+def located(fn, *args):
+    """``fn(*args)``; when an operand is a DTensor, the alarms of the products checked inside
+    get ``labels["shard"]`` (filled once the output's placement is known, before any flush)."""
+    if "torch.distributed.tensor" not in sys.modules or not any(map(_is_dtensor, args)):
+        return fn(*args)
+    labels = context.current().labels      # the current scope's, so call ids run on
+    where, saved = {}, labels.get("shard", _NONE)
+    labels["shard"] = where
+    try:
+        out = fn(*args)
+    finally:
+        if saved is _NONE:
+            del labels["shard"]
+        else:
+            labels["shard"] = saved
+    if _is_dtensor(out):
+        where.update(shard_of(out))
+    return out
+
+
+def shard_of(t):
+    """Where this rank's part of DTensor ``t`` lies: mesh coordinate, global offset of its first
+    element (None for strided shards, which are not one block), partial sum or not."""
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    strided = any(type(p).__name__ == "_StridedShard" for p in t.placements)
+    offset = None if strided else [int(o) for o in compute_local_shape_and_global_offset(
+        t.shape, t.device_mesh, t.placements)[1]]
+    return {"coordinate": [int(c) for c in t.device_mesh.get_coordinate()], "offset": offset,
+            "partial": any(p.is_partial() for p in t.placements)}
 
 
 def _offered(placements, dim):

@@ -81,15 +81,21 @@ def _tp_mlp(rank, mesh):
     y_ref, y = _run(ref, m, x)
     res = dict(out=_same([y_ref], [y]), grads=_same(_grads(ref), _grads(m)), checked=_checked(m),
                alarms=_alarms())
-    # a fault in rank 1's grad_weight product of the row-parallel layer
-    inj = abft.inject(when=lambda c: c.module == "2" and c.phase == "grad_weight", kind="add",
-                      value=50.0) if rank == 1 else None
-    if inj:
+    # faults on rank 1: the column-parallel layer's forward at (batch 1, row 2, col 3) (its
+    # (4, 8) leading dimensions fold into 32 rows), the row-parallel layer's grad_weight at
+    # (row 4, col 5), each in rank 1's own shard
+    injs = [abft.inject(when=lambda c: c.module == "0" and c.phase == "forward", kind="add",
+                        value=50.0, row=8 + 2, col=3),
+            abft.inject(when=lambda c: c.module == "2" and c.phase == "grad_weight", kind="add",
+                        value=50.0, row=4, col=5)] if rank == 1 else []
+    for inj in injs:
         inj.start()
     _run(ref, m, x)
-    if inj:
+    for inj in injs:
         inj.stop()
-    res["fault_alarms"] = _alarms()
+    found = abft.flush()
+    res["fault_alarms"] = [[a.rank, a.module, a.phase] for a in found]
+    res["fault_where"] = [[a.global_index(), a.labels["shard"], a.where()] for a in found]
     return res
 
 
@@ -253,7 +259,18 @@ def test_column_and_row_parallel_linears_are_checked_on_every_rank(tmp_path):
         # forward, grad_input and grad_weight in the row-parallel one
         assert res["checked"] == {"0": 2, "2": 3}, res
         assert res["alarms"] == []
-        assert res["fault_alarms"] == ([[1, "2", "grad_weight"]] if rank else []), res
+        if rank == 0:
+            assert res["fault_alarms"] == [], res
+            continue
+        assert sorted(res["fault_alarms"]) == [[1, "0", "forward"], [1, "2", "grad_weight"]], res
+        where = {tuple(w[0]): w for w in res["fault_where"]}
+        # layer 0 is column-parallel: rank 1 holds output columns 16-31 of (4, 8, 32)
+        fwd = where[(1, 2, 16 + 3)]
+        assert fwd[1] == {"coordinate": [1], "offset": [0, 0, 16], "partial": False}, fwd
+        assert "global (1, 2, 19), rank 1" in fwd[2], fwd[2]
+        # layer 2 is row-parallel: its weight (16, 32) is sharded by columns, rank 1 has 16-31
+        gw = where[(4, 16 + 5)]
+        assert gw[1]["offset"] == [0, 16] and not gw[1]["partial"], gw
 
 
 def test_sequence_parallel_block_is_checked_and_equal(tmp_path):
