@@ -443,6 +443,20 @@ def test_pins_fix_where_a_fault_lands():
         assert (inj.row, inj.col) == (3, 5)
 
 
+@pytest.mark.slow          # about 5 minutes: a training step under the Triton interpreter
+def test_a_trial_on_the_triton_backend_flips_a_bit_in_the_kernel_and_alarms():
+    cfg = TrainConfig(dim=16, batch=8, micro_steps=1, pretrain_steps=2, steps=1)
+    prof = F.Profile("p", rate=1.0, kinds={"bitflip": 1.0}, bits={"exponent_msb": 1.0},
+                     multi_bit=0.0).validate()
+    prof.check_backend("triton")
+    rec = run_trial({"id": "t", "profile": prof, "mode": "computation", "seed": 0,
+                     "backend": "triton"}, cfg, pretrain(cfg))
+    assert rec["env"]["backend"] == "triton"
+    applied = [a for e in rec["events"] for a in e["applied"]]
+    assert len(applied) == 1 and applied[0]["changed"] == 1, applied
+    assert rec["alarms"] and rec["mismatches"]
+
+
 def test_a_pinned_adam_moment_is_the_one_corrupted():
     tg = F.targets(TINY.model())
     for state in F.STATES:
