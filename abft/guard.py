@@ -18,6 +18,13 @@ rank decides the same), then decides:
 - ``halt``: raise ``GuardHalt`` (a ``SystemExit`` with ``exit_code``) naming rank, host, device,
   step, module and phase.
 
+State at rest (``rest=True``, ``abft.RestCheck``): fingerprints of every parameter and its
+optimizer state are sealed after each update and verified after the closure, before the next
+update reads them; a changed element (a bit flipped in memory) is an alarm of kind ``rest`` like
+a GEMM's, and a located one is written back to its sealed bits first, so ``rerun`` replays the
+step from the restored state (an element that cannot be located is found again: persistent).
+Parameters or state changed outside ``step`` need ``reseal()``.
+
 Sampling: ``every=N`` checks one step in N (the others run with abft disabled); after an alarm or
 an anomaly (non-finite loss, a loss above ``spike`` x the running median) every step is checked
 for ``escalate`` steps. The tracker (JSONL, ``{rank}`` in the path) gets one line per checked
@@ -56,7 +63,7 @@ def _dist():
 
 class StepGuard:
     def __init__(self, optimizer, *, decision="rerun", on_persistent="halt", every=1, escalate=10,
-                 spike=3.0, tracker=None, exit_code=43, device=None):
+                 spike=3.0, tracker=None, exit_code=43, device=None, rest=False, names=None):
         if decision not in DECISIONS:
             raise ValueError(f"StepGuard: decision must be one of {DECISIONS}, got {decision!r}")
         if on_persistent not in ("halt", "skip"):
@@ -74,6 +81,11 @@ class StepGuard:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             self.tracker = open(path, "a", encoding="utf-8")
         self.resolve_s = self.reduce_s = 0.0
+        self.rest = None
+        if rest:
+            from abft.rest import RestCheck
+            self.rest = rest if isinstance(rest, RestCheck) else RestCheck(optimizer, names=names)
+            self.rest.seal()
 
     # ------------------------------------------------------------------ internals
     def _params(self):
@@ -87,6 +99,10 @@ class StepGuard:
             loss = closure()
             t0 = time.perf_counter()      # resolve inside the config: its exit would flush
             alarms = policy.flush() if check else []
+            if check and self.rest is not None and self.rest.sealed:
+                found = self.rest.verify()      # the state at rest, before the update reads it
+                self.rest.restore(found)        # located elements back to their sealed bits
+                alarms = alarms + found
             t1 = time.perf_counter()
         counts = self._reduce(len(alarms))
         self.resolve_s += t1 - t0
@@ -186,7 +202,19 @@ class StepGuard:
         if apply:
             self.opt.step()
         self.step_index += 1
+        if self.rest is not None:      # seal for the next step, if it is checked
+            nxt = self.step_index
+            if nxt % self.every == 0 or nxt <= self.hot_until:
+                self.rest.seal()
+            else:
+                self.rest.sealed = {}
         return loss
+
+    def reseal(self):
+        """Take the state-at-rest fingerprints again: call it after changing parameters or
+        optimizer state outside ``step`` (loading a checkpoint, clamping weights)."""
+        if self.rest is not None:
+            self.rest.seal()
 
     def close(self):
         if self.tracker is not None:

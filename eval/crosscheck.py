@@ -81,6 +81,8 @@ def _located(ev, alarm, mismatches):
     if ev["pattern"] != "element" or alarm["row"] is None or not ev["applied"]:
         return None
     rec = ev["applied"][0]
+    if alarm.get("kind") == "rest":         # the state-at-rest check names the element itself
+        return (alarm["row"], alarm["col"]) == (rec.get("row"), rec.get("col"))
     if ev["site"] == "weight_memory":       # W[o, i] wrong: column o of every row is off, and
         return None if alarm["col"] is None else alarm["col"] == rec["row"]   # row sums fail
     if ev["site"] != "gemm_accumulator":
@@ -144,7 +146,7 @@ def cases(trial):
                      module_ok=any(x["module"] in {p[0] for p in _places(ev)} for x in a),
                      phase_ok=any((x["module"], x["phase"]) in _places(ev) for x in a),
                      located=_located(ev, first, m))
-            if ev["site"] == "weight_memory":
+            if ev["site"] == "weight_memory" and first["kind"] != "rest":
                 c["by"] = "cached weight checksums: " + c["by"]
             after = [x for x in a if x.get("micro_step", 0) >= ev["micro_step"]] or a
             hit = min((x["step"], x.get("micro_step", 0)) for x in after)

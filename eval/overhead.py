@@ -58,6 +58,33 @@ def train_step_pair(factory):
     return step(model, contextlib.nullcontext), step(prot, lambda: abft.checked(prot))
 
 
+def rest_step_pair(factory):
+    """(plain, with the state-at-rest check) AdamW training steps of ``factory``: the second
+    verifies the fingerprints before the update and seals after it, as ``StepGuard(rest=True)``
+    does on a checked step; no GEMM is checked in either."""
+    import copy
+    import abft
+    model, inputs = factory()
+    twin = copy.deepcopy(model)
+
+    def step(m, rest):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
+        rc = abft.RestCheck(opt) if rest else None
+
+        def run():
+            loss = m(*inputs)
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            if rc is not None and rc.sealed:
+                rc.verify()
+            opt.step()
+            if rc is not None:
+                rc.seal()
+            return loss
+        return run
+    return step(model, False), step(twin, True)
+
+
 def load_factory(spec):
     import importlib
     mod, _, name = spec.partition(":")
@@ -111,6 +138,9 @@ def add_arguments(ap):
     ap.add_argument("--model", default=None,
                     help="package.module:factory returning (model, inputs) with model(*inputs) a "
                          "loss: time one training step plain vs protected")
+    ap.add_argument("--detector", default="gemm", choices=["gemm", "rest"],
+                    help="with --model: the checked GEMMs (protect + checked, SGD), or the "
+                         "state-at-rest check (AdamW, seal and verify every step)")
 
 
 GPU_SHAPES = "4096x4096x4096,8192x8192x8192,linear:16384x4096x4096,linear:16384x4096x14336"
@@ -246,10 +276,12 @@ def main(args):
     print("| shape | plain ms | checked ms | checked / plain (median) | IQR |")
     print("|---|---|---|---|---|")
     if args.model:
-        plain, checked = train_step_pair(load_factory(args.model))
+        pair = rest_step_pair if args.detector == "rest" else train_step_pair
+        plain, checked = pair(load_factory(args.model))
         r = interleaved(plain, checked, args.reps or 11, sync)
-        print(f"| train step {args.model} | {r['plain_ms']:.1f} | {r['checked_ms']:.1f} | "
-              f"{r['ratio']:.3f} | {r['q1']:.3f}-{r['q3']:.3f} |", flush=True)
+        print(f"| train step {args.model} ({args.detector}) | {r['plain_ms']:.1f} | "
+              f"{r['checked_ms']:.1f} | {r['ratio']:.3f} | {r['q1']:.3f}-{r['q3']:.3f} |",
+              flush=True)
         return 0
     for kind, m, k, n in parse_shapes(args.shapes):
         plain, checked = make_pair(kind, m, k, n, dtype, args.device)

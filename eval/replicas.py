@@ -41,9 +41,14 @@ class TrainConfig:
     steps: int = 30
     seed: int = 0
     eval_every: int = 0      # > 0: both replicas' accuracy every so many steps (0: at the end)
+    rest: bool = False       # abft.RestCheck on both replicas: the state-at-rest detector
 
     def validate(self, where="train"):
         for k, v in asdict(self).items():
+            if k == "rest":
+                if not isinstance(v, bool):
+                    raise ValueError(f"{where}.rest: true or false, got {v!r}")
+                continue
             if k == "lr":
                 if not F._number(v) or not v > 0:
                     raise ValueError(f"{where}.lr: a finite number > 0, got {v!r}")
@@ -102,6 +107,10 @@ class Replica:
         self.log = AlarmLog()
         self.sync = sync.attach(self.model)
         self.losses, self.dev, self.div = [], [], []
+        self.rest = None
+        if cfg.rest:
+            self.rest = abft.RestCheck(self.opt, names={p: n for n, p in self.params.items()})
+            self.rest.seal()
 
     def step(self, s, micro, events=()):
         self.opt.zero_grad(set_to_none=True)
@@ -127,8 +136,13 @@ class Replica:
                 F.Armed(e, self.model, self.opt, self.params).grads(self.params)
         named = list(self.model.named_parameters())
         dev = sync.grads(named)
+        if self.rest is not None:       # detection only: the evaluation scores it, restores nothing
+            with abft.scope(step=s, micro_step=len(micro) - 1, replica=self.role, log=self.log):
+                self.rest.verify()
         self.opt.step()
         div = sync.state(named, self.opt)
+        if self.rest is not None:
+            self.rest.seal()
         abft.flush()
         self.losses.append(total)
         if dev is not None:

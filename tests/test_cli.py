@@ -1,6 +1,8 @@
 import subprocess
 import sys
 
+import torch
+
 import abft
 from abft import cli
 from abft.eval import overhead
@@ -50,3 +52,13 @@ def test_bench_rotation_covers_twice_the_l2():
     from abft.eval.overhead import rotation
     assert rotation(64 << 20, 50 << 20) == 2 and rotation(1 << 20, 50 << 20) == 64
     assert rotation(10 << 20, 50 << 20) * (10 << 20) >= 2 * (50 << 20)
+
+
+def test_bench_the_state_at_rest_check_on_a_training_step(capsys):
+    plain, rest = overhead.rest_step_pair(overhead.load_factory("abft.eval.models:bench_gpt"))
+    for _ in range(2):
+        a, b = plain(), rest()
+        assert torch.equal(a, b)                    # the check reads, it never changes the run
+    assert cli.main(["bench", "--model", "abft.eval.models:bench_gpt", "--detector", "rest",
+                     "--reps", "2"]) == 0
+    assert "train step abft.eval.models:bench_gpt (rest)" in capsys.readouterr().out

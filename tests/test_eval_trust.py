@@ -431,6 +431,23 @@ def test_the_periodic_pattern_repeats_runs_of_four():
     assert alarms and {al.row for al in alarms} == {2}
 
 
+@pytest.mark.parametrize("site", ["weight_memory", "optimizer_state"])
+def test_the_state_at_rest_check_catches_and_locates_what_the_checksums_miss(base, site):
+    import dataclasses
+    prof = F.Profile("p", rate=1.0, onset=1, sites={site: 1.0}, kinds={"bitflip": 1.0},
+                     bits={"exponent": 1.0}, multi_bit=0.0).validate()
+    trial = {"id": "t", "profile": prof, "mode": "computation", "seed": 2}
+    on = crosscheck.cases(run_trial(trial, dataclasses.replace(TINY, rest=True), base))
+    off = crosscheck.cases(run_trial(trial, TINY, base))
+    hit = [c for c in on if c["changed"]]
+    assert len(hit) == 3 and all(c["outcome"] in ("detected", "alarm_no_mismatch") for c in hit)
+    assert all(c["by"].startswith("rest ") and c["located"] is True for c in hit), hit
+    assert all(c["latency"]["steps"] == 0 for c in hit)
+    assert not [c for c in on if c["outcome"] == "false_alarm"]
+    if site == "optimizer_state":                       # no GEMM reads an Adam moment
+        assert not any(c["alarms"] for c in off if c.get("changed"))
+
+
 def test_pins_fix_where_a_fault_lands():
     tg = F.targets(TINY.model())
     pin = {"site": "gemm_accumulator", "module": "blocks.1.mlp.out", "phase": "grad_input",
@@ -453,8 +470,12 @@ def test_a_trial_on_the_triton_backend_flips_a_bit_in_the_kernel_and_alarms():
                      "backend": "triton"}, cfg, pretrain(cfg))
     assert rec["env"]["backend"] == "triton"
     applied = [a for e in rec["events"] for a in e["applied"]]
-    assert len(applied) == 1 and applied[0]["changed"] == 1, applied
-    assert rec["alarms"] and rec["mismatches"]
+    assert len(applied) == 1, applied          # in the kernel: the bits it changed are not read back
+    hit = applied[0]
+    assert any((a["module"], a["phase"], a["row"], a["col"]) ==
+               (hit["module"], hit["phase"], hit["row"], hit["col"]) for a in rec["alarms"]), \
+        (hit, rec["alarms"])
+    assert rec["mismatches"]
 
 
 def test_a_pinned_adam_moment_is_the_one_corrupted():

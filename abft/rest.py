@@ -1,0 +1,167 @@
+"""Fingerprints of the training state at rest: parameters and optimizer state.
+
+    rest = abft.RestCheck(optimizer)          # every parameter and its optimizer state
+    ...
+    found = rest.verify()                     # before optimizer.step(): [] or alarms
+    rest.restore(found)                       # put located elements back to their sealed bits
+    optimizer.step()
+    rest.seal()                               # after it: the state the next step must find
+
+A GEMM checksum sees a weight only through the products that read it; a bit flipped in HBM
+between steps, in an Adam moment (no GEMM reads it) or in a weight whose checksums were cached
+before the flip, is outside every product's check. ``seal`` reads each tensor's bits as integers
+and keeps, per block of ``block`` elements, three int64 sums: the bits, and the bits weighted by
+their 1-based index k in the block and by k squared. ``verify`` recomputes them. Integer sums are
+exact (a sum may wrap around int64; the differences stay exact), so a change d of the element at
+k moves the three by d, d k and d k^2: the element is located, and ``restore`` writes its sealed
+bits back and checks the block again. Several changed elements in one block are detected (unless
+their differences cancel exactly) but not located. 64-bit tensors are detected, not located.
+
+Cost: ``seal`` and ``verify`` each read every tensor once (a parameter and two Adam moments, as
+much as the optimizer step itself reads); ``every`` and the guard's sampling spread it.
+"""
+import time
+
+import torch
+
+_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+_CHUNK = 1 << 22          # elements per pass: bounds the int64 temporaries
+
+
+def _local(t):
+    return t.to_local() if type(t).__name__ == "DTensor" else t
+
+
+def _bits(t):
+    """``t``'s elements as signed integers of the same width (a flat view, no copy)."""
+    t = _local(t).detach()
+    if not t.is_contiguous():
+        raise ValueError("abft.RestCheck: a non-contiguous tensor cannot be fingerprinted in place")
+    flat = t.reshape(-1)
+    if flat.is_floating_point() or flat.is_complex():
+        flat = flat.view(_BITS[flat.element_size()]) if not flat.is_complex() else \
+            torch.view_as_real(flat).reshape(-1).view(_BITS[flat.element_size() // 2])
+    return flat
+
+
+def fingerprint(t, block, first=0, count=None):
+    """int64 sums per block of ``block`` elements of ``t``'s bits, a (3, blocks) tensor: plain,
+    weighted by the index k (1-based) in the block, weighted by k^2. ``first``, ``count``: a range
+    of blocks only."""
+    bits = _bits(t)
+    nb = -(-bits.numel() // block)
+    count = nb - first if count is None else count
+    out = torch.zeros(3, count, dtype=torch.int64, device=bits.device)
+    k = torch.arange(1, block + 1, dtype=torch.int64, device=bits.device)
+    w = torch.stack([torch.ones_like(k), k, k * k])                  # (3, block)
+    per = max(1, _CHUNK // block)
+    for b0 in range(first, first + count, per):
+        part = bits[b0 * block:min(first + count, b0 + per) * block].to(torch.int64)
+        whole = part.numel() // block
+        if whole:
+            rows = part[:whole * block].view(whole, block)
+            out[:, b0 - first:b0 - first + whole] = (rows.unsqueeze(0) * w.unsqueeze(1)).sum(2)
+        if whole * block < part.numel():          # the last, short block
+            tail = part[whole * block:]
+            out[:, b0 - first + whole] = (tail * w[:, :tail.numel()]).sum(1)
+    return out
+
+
+class RestCheck:
+    """Seal and verify fingerprints of ``optimizer``'s parameters and, with ``states``, their
+    optimizer state tensors (Adam's moments; scalar ones such as ``step`` are left out).
+
+    Args:
+        optimizer: the optimizer whose ``param_groups`` and ``state`` are checked.
+        names: optional {parameter: name} for the alarms (``protect``/``named_parameters``).
+        states: check the optimizer state tensors too.
+        block: elements per fingerprint block (more: less memory, coarser location).
+    """
+
+    def __init__(self, optimizer, *, names=None, states=True, block=4096):
+        if not isinstance(block, int) or block < 1:
+            raise ValueError(f"abft.RestCheck: block must be a whole number >= 1, got {block!r}")
+        self.opt, self.states, self.block = optimizer, states, block
+        self.names = {id(p): n for p, n in (names or {}).items()}
+        self.sealed = {}
+        self.seal_s = self.verify_s = 0.0
+
+    def tensors(self):
+        """(label, kind, tensor) of everything checked: kind "param" or the state's key."""
+        out = []
+        for gi, group in enumerate(self.opt.param_groups):
+            for pi, p in enumerate(group["params"]):
+                name = self.names.get(id(p), f"param_groups[{gi}].params[{pi}]")
+                out.append((name, "param", p))
+                if self.states:
+                    for key, v in sorted(self.opt.state.get(p, {}).items()):
+                        if torch.is_tensor(v) and v.dim() > 0 and _local(v).numel() > 0:
+                            out.append((name, key, v))
+        return out
+
+    def seal(self):
+        """Fingerprint every tensor now (after the optimizer step)."""
+        t0 = time.perf_counter()
+        self.sealed = {(name, kind): (t, fingerprint(t, self.block))
+                       for name, kind, t in self.tensors()}
+        self.seal_s += time.perf_counter() - t0
+
+    def verify(self):
+        """Alarms (``kind="rest"``) for every block whose fingerprint changed since ``seal``,
+        [] before the first seal; they go to the current scope's log and ``abft.alarms()``, as
+        a GEMM's do."""
+        from abft import policy
+        from abft.alarms import Alarm
+        from abft.context import current, current_rank
+        t0 = time.perf_counter()
+        found = []
+        sc = current()
+        labels = sc.labels
+        for (name, kind), (t, sums) in self.sealed.items():
+            now = fingerprint(t, self.block)
+            bad = (now != sums).any(0)
+            if not bool(bad.any()):
+                continue
+            local = _local(t)
+            for b in bad.nonzero().flatten().tolist():
+                d0, d1, d2 = (int(x) for x in now[:, b] - sums[:, b])
+                index = None
+                if d0 != 0 and d1 % d0 == 0 and 1 <= d1 // d0 <= self.block and \
+                        d2 == d0 * (d1 // d0) ** 2 and local.element_size() < 8:
+                    index = b * self.block + d1 // d0 - 1
+                    if index >= local.numel():
+                        index = None
+                row = col = None
+                if index is not None:
+                    row, col = divmod(index, local.shape[-1]) if local.dim() >= 2 else (0, index)
+                found.append(Alarm(
+                    op="rest", phase=kind, module=name, step=labels.get("step"),
+                    micro_step=labels.get("micro_step"), replica=labels.get("replica"),
+                    rank=current_rank(), call_id=-1, shapes=(tuple(local.shape),),
+                    dtype=str(local.dtype).replace("torch.", ""), bm=self.block, bn=1,
+                    tile=(b,), batch=(), row=row, col=col, residual=float(d0), threshold=0.0,
+                    backend="rest", time=time.time(), kind="rest", action="recorded",
+                    labels={"index": index, "delta_bits": d0}))
+        policy.emit(found, sc.log)
+        self.verify_s += time.perf_counter() - t0
+        return found
+
+    def restore(self, alarms):
+        """Write back the sealed bits of every located element in ``alarms``, then check its
+        block against the seal; returns the alarms left (unlocated, or the block still wrong:
+        the write is undone)."""
+        left = []
+        for a in alarms:
+            index = a.labels.get("index")
+            entry = self.sealed.get((a.module, a.phase))
+            if a.kind != "rest" or index is None or entry is None:
+                left.append(a)
+                continue
+            t, sums = entry
+            bits, b, d = _bits(t), index // self.block, a.labels["delta_bits"]
+            with torch.no_grad():
+                bits[index] -= d
+                if not torch.equal(fingerprint(t, self.block, b, 1)[:, 0], sums[:, b]):
+                    bits[index] += d
+                    left.append(a)
+        return left

@@ -1,0 +1,144 @@
+"""Fingerprints of the state at rest (abft.RestCheck) and the guard's use of them."""
+import pytest
+import torch
+
+import abft
+from abft import rest as R
+
+
+def _flip(t, index, bit):
+    bits = t.detach().reshape(-1).view({2: torch.int16, 4: torch.int32}[t.element_size()])
+    bits[index] ^= (1 << bit) if bit < 8 * t.element_size() - 1 else -(1 << bit)
+
+
+def _model(dtype=torch.float32):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(24, 40), torch.nn.GELU(),
+                               torch.nn.Linear(40, 6)).to(dtype)
+
+
+def _trained(dtype=torch.float32):
+    m = _model(dtype)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    m(torch.randn(5, 24, dtype=dtype)).square().sum().backward()
+    opt.step()
+    return m, opt
+
+
+def test_fingerprints_are_the_per_block_sums_with_a_short_tail(monkeypatch):
+    monkeypatch.setattr(R, "_CHUNK", 1000)            # several passes, and a tail block
+    t = torch.randn(10007)
+    bits = t.view(torch.int32).to(torch.int64)
+    want = torch.tensor([[int((bits[i:i + 128] * torch.arange(1, 129)[:len(bits[i:i + 128])] ** p)
+                               .sum()) for i in range(0, 10007, 128)] for p in (0, 1, 2)])
+    assert torch.equal(R.fingerprint(t, 128), want)
+    assert torch.equal(R.fingerprint(t, 128, 5, 3), want[:, 5:8])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_flipped_bit_is_located_and_restored(dtype):
+    m, opt = _trained(dtype)
+    names = {p: n for n, p in m.named_parameters()}
+    rc = abft.RestCheck(opt, names=names, block=256)
+    rc.seal()
+    assert rc.verify() == []
+    before = [t.detach().clone() for _, _, t in rc.tensors()]
+    w, moment = m[0].weight, opt.state[m[2].weight]["exp_avg"]
+    _flip(w, 7 * 24 + 5, 8 * w.element_size() - 2)          # exponent MSB of weight (7, 5)
+    _flip(moment, 13, 3)                                    # a low bit of an Adam moment
+    found = sorted(rc.verify(), key=lambda a: a.module)
+    assert [(a.module, a.phase, a.row, a.col, a.kind) for a in found] == [
+        ("0.weight", "param", 7, 5, "rest"), ("2.weight", "exp_avg", 0, 13, "rest")]
+    assert "rest/param in 0.weight" in found[0].where()
+    assert rc.restore(found) == []
+    assert all(torch.equal(a, t) for a, (_, _, t) in zip(before, rc.tensors()))
+    assert rc.verify() == []
+
+
+def test_two_changes_in_a_block_are_detected_not_located_and_left_alone():
+    m, opt = _trained()
+    rc = abft.RestCheck(opt, block=64)
+    rc.seal()
+    w = m[0].weight
+    bits = w.detach().reshape(-1).view(torch.int32)
+    bits[10] += 1
+    bits[12] += 1          # with two sums this would pass for one change of 2 at element 11
+    changed = w.detach().clone()
+    found = rc.verify()
+    assert len(found) == 1 and found[0].row is None and found[0].labels["index"] is None
+    assert rc.restore(found) == found and torch.equal(w.detach(), changed)
+
+
+def test_block_must_be_a_whole_number():
+    m, opt = _trained()
+    with pytest.raises(ValueError, match="block"):
+        abft.RestCheck(opt, block=0)
+
+
+def _train(steps, *, rest=True, flips=None, every=1, decision="rerun"):
+    """Train the small model under a guard; ``flips``: {step: (tensor getter, index, bit)} made
+    after that step's update, as a fault in memory between steps would."""
+    m = _model()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    guard = abft.StepGuard(opt, decision=decision, rest=rest, every=every,
+                           names={p: n for n, p in m.named_parameters()})
+    g = torch.Generator().manual_seed(1)
+    for s in range(steps):
+        x, y = torch.randn(8, 24, generator=g), torch.randn(8, 6, generator=g)
+
+        def closure():
+            with abft.checked(m):
+                loss = torch.nn.functional.mse_loss(m(x), y)
+                loss.backward()
+            return loss
+        guard.step(closure)
+        for get, index, bit in (flips or {}).get(s, ()):
+            _flip(get(m, opt), index, bit)
+    return m, guard
+
+
+def test_the_guard_restores_a_flip_at_rest_and_the_run_ends_as_a_clean_one():
+    clean, g0 = _train(6)
+    assert not any(sum(r["alarm_counts"]) for r in g0.records)
+    flips = {1: [(lambda m, o: m[0].weight, 100, 30)],                    # exponent MSB
+             3: [(lambda m, o: o.state[m[2].weight]["exp_avg_sq"], 7, 29)]}
+    faulty, g1 = _train(6, flips=flips)
+    hit = {r["step"]: r for r in g1.records if sum(r["alarm_counts"])}
+    assert sorted(hit) == [2, 4]
+    assert hit[2]["alarms"][0]["module"] == "0.weight" and hit[2]["alarms"][0]["phase"] == "param"
+    assert hit[4]["alarms"][0]["phase"] == "exp_avg_sq"
+    assert all(r["decision"] == "rerun" and r["persistence"] == "transient" for r in hit.values())
+    assert all(torch.equal(a, b) for a, b in zip(clean.parameters(), faulty.parameters()))
+    # without the check the same flips change the run
+    plain, _ = _train(6, rest=False, flips=flips)
+    assert not all(torch.equal(a, b) for a, b in zip(clean.parameters(), plain.parameters()))
+
+
+def test_sampled_steps_seal_only_before_checked_ones_and_never_false_alarm():
+    _, guard = _train(7, every=3)
+    assert [r["step"] for r in guard.records] == [0, 3, 6]
+    assert not any(sum(r["alarm_counts"]) for r in guard.records)
+
+
+def test_an_unlocated_change_is_persistent():
+    def two(m, o):
+        return m[0].weight
+    with pytest.raises(abft.GuardHalt):
+        _train(4, flips={1: [(two, 3, 2), (two, 5, 2)]})
+
+
+def test_a_change_outside_the_step_needs_reseal():
+    m = _model()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    guard = abft.StepGuard(opt, rest=True, decision="continue")
+
+    def closure():
+        loss = m(torch.ones(2, 24)).sum()
+        loss.backward()
+        return loss
+    guard.step(closure)
+    with torch.no_grad():
+        m[0].weight.clamp_(-0.01, 0.01)            # the user's own change
+    guard.reseal()
+    guard.step(closure)
+    assert not any(sum(r["alarm_counts"]) for r in guard.records)
