@@ -35,6 +35,7 @@ _lock = threading.RLock()
 _queue = collections.deque()
 _queue_bytes = 0
 _stats = collections.Counter()
+_reported = []          # alarms of detectors outside the GEMMs, returned by the next flush()
 _margins = {}                 # (op, module) -> [worst clean ratio, its phase, clean calls]
 
 
@@ -136,15 +137,25 @@ def enqueue(p):
         flush()
 
 
+def report(alarms, log):
+    """Emit the alarms of a detector outside the GEMMs (``abft.RecomputeCheck``) now; the next
+    ``flush()`` returns them with the GEMMs' (so ``StepGuard`` counts them)."""
+    emit(alarms, log)
+    with _lock:
+        _reported.extend(alarms)
+
+
 def flush():
-    """Resolve every queued verdict; returns the new alarms."""
+    """Resolve every queued verdict; returns the new alarms (and those ``report``ed since)."""
     global _queue_bytes
     with _lock:
         items = list(_queue)
         _queue.clear()
         _queue_bytes = 0
+        reported = list(_reported)
+        _reported.clear()
     if not items:
-        return []
+        return reported
     # One transfer per device for all the queued summaries.
     by_device = collections.defaultdict(list)
     for i, p in enumerate(items):
@@ -153,7 +164,7 @@ def flush():
     for idxs in by_device.values():
         for i, row in zip(idxs, torch.stack([items[i].summary for i in idxs]).cpu().tolist()):
             summaries[i] = row
-    new = []
+    new = reported
     for p, summary in zip(items, summaries):
         if _count(summary, p.info):
             alarms = alarms_of(p, p.info["action"])

@@ -58,18 +58,21 @@ def train_step_pair(factory):
     return step(model, contextlib.nullcontext), step(prot, lambda: abft.checked(prot))
 
 
-def rest_step_pair(factory):
-    """(plain, with the state-at-rest check) AdamW training steps of ``factory``: the second
-    verifies the fingerprints before the update and seals after it, as ``StepGuard(rest=True)``
-    does on a checked step; no GEMM is checked in either."""
+def detector_step_pair(factory, detector):
+    """(plain, with one detector) AdamW training steps of ``factory``; no GEMM is checked in
+    either. ``rest``: verify the fingerprints before the update and seal after it, as
+    ``StepGuard(rest=True)`` does on a checked step; ``recompute``: rerun every non-GEMM module
+    (``RecomputeCheck`` at rate 1, the most it costs)."""
     import copy
     import abft
     model, inputs = factory()
     twin = copy.deepcopy(model)
 
-    def step(m, rest):
+    def step(m, on):
         opt = torch.optim.AdamW(m.parameters(), lr=1e-4)
-        rc = abft.RestCheck(opt) if rest else None
+        rc = abft.RestCheck(opt) if on and detector == "rest" else None
+        if on and detector == "recompute":
+            abft.RecomputeCheck(m, rate=1.0)
 
         def run():
             loss = m(*inputs)
@@ -138,9 +141,10 @@ def add_arguments(ap):
     ap.add_argument("--model", default=None,
                     help="package.module:factory returning (model, inputs) with model(*inputs) a "
                          "loss: time one training step plain vs protected")
-    ap.add_argument("--detector", default="gemm", choices=["gemm", "rest"],
-                    help="with --model: the checked GEMMs (protect + checked, SGD), or the "
-                         "state-at-rest check (AdamW, seal and verify every step)")
+    ap.add_argument("--detector", default="gemm", choices=["gemm", "rest", "recompute"],
+                    help="with --model: the checked GEMMs (protect + checked, SGD), the "
+                         "state-at-rest check (AdamW, seal and verify every step) or the "
+                         "recompute of the non-GEMM modules (AdamW, rate 1)")
 
 
 GPU_SHAPES = "4096x4096x4096,8192x8192x8192,linear:16384x4096x4096,linear:16384x4096x14336"
@@ -276,8 +280,9 @@ def main(args):
     print("| shape | plain ms | checked ms | checked / plain (median) | IQR |")
     print("|---|---|---|---|---|")
     if args.model:
-        pair = rest_step_pair if args.detector == "rest" else train_step_pair
-        plain, checked = pair(load_factory(args.model))
+        factory = load_factory(args.model)
+        plain, checked = train_step_pair(factory) if args.detector == "gemm" else \
+            detector_step_pair(factory, args.detector)
         r = interleaved(plain, checked, args.reps or 11, sync)
         print(f"| train step {args.model} ({args.detector}) | {r['plain_ms']:.1f} | "
               f"{r['checked_ms']:.1f} | {r['ratio']:.3f} | {r['q1']:.3f}-{r['q3']:.3f} |",

@@ -42,12 +42,17 @@ class TrainConfig:
     seed: int = 0
     eval_every: int = 0      # > 0: both replicas' accuracy every so many steps (0: at the end)
     rest: bool = False       # abft.RestCheck on both replicas: the state-at-rest detector
+    recompute: float = 0.0   # > 0: abft.RecomputeCheck at this rate (non-GEMM modules)
 
     def validate(self, where="train"):
         for k, v in asdict(self).items():
             if k == "rest":
                 if not isinstance(v, bool):
                     raise ValueError(f"{where}.rest: true or false, got {v!r}")
+                continue
+            if k == "recompute":
+                if not F._number(v) or not 0 <= v <= 1:
+                    raise ValueError(f"{where}.recompute: a rate in [0, 1] (0: off), got {v!r}")
                 continue
             if k == "lr":
                 if not F._number(v) or not v > 0:
@@ -102,6 +107,9 @@ class Replica:
         self.model = cfg.model()
         self.model.load_state_dict(base)
         abft.protect(self.model)
+        # before the sync's hooks: the rerun is compared with the output the module produced
+        self.recompute = abft.RecomputeCheck(self.model, rate=cfg.recompute) \
+            if cfg.recompute else None
         self.params = dict(self.model.named_parameters())
         self.opt = torch.optim.AdamW(self.model.parameters(), lr=cfg.lr)
         self.log = AlarmLog()

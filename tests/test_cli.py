@@ -1,6 +1,7 @@
 import subprocess
 import sys
 
+import pytest
 import torch
 
 import abft
@@ -54,11 +55,14 @@ def test_bench_rotation_covers_twice_the_l2():
     assert rotation(10 << 20, 50 << 20) * (10 << 20) >= 2 * (50 << 20)
 
 
-def test_bench_the_state_at_rest_check_on_a_training_step(capsys):
-    plain, rest = overhead.rest_step_pair(overhead.load_factory("abft.eval.models:bench_gpt"))
+@pytest.mark.parametrize("detector", ["rest", "recompute"])
+def test_bench_a_detector_on_a_training_step(capsys, detector):
+    plain, on = overhead.detector_step_pair(overhead.load_factory("abft.eval.models:bench_gpt"),
+                                            detector)
     for _ in range(2):
-        a, b = plain(), rest()
+        a, b = plain(), on()
         assert torch.equal(a, b)                    # the check reads, it never changes the run
-    assert cli.main(["bench", "--model", "abft.eval.models:bench_gpt", "--detector", "rest",
+    assert cli.main(["bench", "--model", "abft.eval.models:bench_gpt", "--detector", detector,
                      "--reps", "2"]) == 0
-    assert "train step abft.eval.models:bench_gpt (rest)" in capsys.readouterr().out
+    assert f"train step abft.eval.models:bench_gpt ({detector})" in capsys.readouterr().out
+    assert abft.flush() == []

@@ -448,6 +448,20 @@ def test_the_state_at_rest_check_catches_and_locates_what_the_checksums_miss(bas
         assert not any(c["alarms"] for c in off if c.get("changed"))
 
 
+def test_the_recompute_check_catches_and_locates_a_corrupted_norm_or_activation(base):
+    import dataclasses
+    prof = F.Profile("p", rate=1.0, onset=1, sites={"nongemm_op": 1.0}, kinds={"bitflip": 1.0},
+                     bits={"exponent": 1.0}, multi_bit=0.0).validate()
+    trial = {"id": "t", "profile": prof, "mode": "computation", "seed": 4}
+    on = crosscheck.cases(run_trial(trial, dataclasses.replace(TINY, recompute=1.0), base))
+    off = crosscheck.cases(run_trial(trial, TINY, base))
+    hit = [c for c in on if c["changed"] and c["mismatches"]]
+    assert hit and all(c["outcome"] == "detected" for c in hit)
+    assert all(c["by"].startswith("recompute ") and c["located"] is True for c in hit), hit
+    assert not [c for c in on if c["outcome"] == "false_alarm"]
+    assert [c["outcome"] for c in off if c["changed"] and c["mismatches"]] == ["missed"] * len(hit)
+
+
 def test_pins_fix_where_a_fault_lands():
     tg = F.targets(TINY.model())
     pin = {"site": "gemm_accumulator", "module": "blocks.1.mlp.out", "phase": "grad_input",
