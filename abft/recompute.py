@@ -26,7 +26,7 @@ from torch import nn
 TYPES = (nn.LayerNorm, nn.GroupNorm, nn.GELU, nn.SiLU, nn.ReLU, nn.Tanh, nn.Sigmoid,
          nn.Softmax, nn.LogSoftmax, nn.Embedding) + ((nn.RMSNorm,) if hasattr(nn, "RMSNorm") else ())
 _NAMES = ("RMSNorm", "LayerNorm", "SiLUActivation", "GELUActivation", "NewGELUActivation",
-          "PytorchGELUTanh", "Softmax")      # transformers' own module classes, by name
+          "PytorchGELUTanh", "Softmax", "GELU", "SiLU")   # transformers' and users' own, by name
 
 
 def _covered(mod):

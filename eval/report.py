@@ -70,7 +70,10 @@ def summarize(trials):
             if out == "missed":
                 causes[site][c["cause"]] += 1
             if out == "detected":
-                by[(site, c["by"].split(":")[0] if site == "weight_memory" else "checksum")] += 1
+                # the check that alarmed first: cached weight checksums, or the alarm's kind
+                # (checksum, nonfinite, rest, recompute)
+                by[(site, c["by"].split(":")[0] if c["by"].startswith("cached") else
+                    c["by"].split(" ")[0])] += 1
                 if c.get("located") is not None:
                     located[{True: "yes", "row": "row"}.get(c["located"], "no")] += 1
             if out == "not_applied":

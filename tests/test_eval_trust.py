@@ -288,6 +288,18 @@ def _al(step, micro=0):
                 row=0, col=0, batch=None)
 
 
+def test_detected_by_names_the_check_not_the_module():
+    rest = dict(_al(1), kind="rest", module="m.weight", phase="param")
+    cached = dict(_al(2), kind="checksum")
+    recompute = dict(_al(3), kind="recompute")
+    ts = [_case_trial(events=[_ev(0, 1, site="weight_memory"), _ev(1, 2, site="weight_memory"),
+                              _ev(2, 3, site="nongemm_op")],
+                      mismatches=[_mm(1), _mm(2), _mm(3)], alarms=[rest, cached, recompute])]
+    assert report.summarize(ts)["detected_by"] == {
+        "weight_memory/rest": 1, "weight_memory/cached weight checksums": 1,
+        "nongemm_op/recompute": 1}
+
+
 def test_an_alarm_on_a_harmless_fault_is_not_a_false_alarm():
     t = _case_trial(events=[_ev(0, 1)], alarms=[_al(1)])
     (c,) = crosscheck.cases(t)

@@ -138,3 +138,10 @@ def test_a_transformers_llama_trains_without_a_false_alarm():
         opt.step()
         opt.zero_grad()
     assert rc.checked >= 3 * 6 and abft.flush() == []
+
+
+def test_own_modules_named_after_their_function_are_covered():
+    from abft.eval.models import GPT, GPTConfig
+    model = GPT(GPTConfig(vocab=16, block=8, layers=1, heads=2, dim=8))
+    names = set(abft.RecomputeCheck(model).modules.values())
+    assert {"blocks.0.mlp.act", "blocks.0.attn.softmax", "blocks.0.ln1", "tok"} <= names, names
