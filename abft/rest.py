@@ -10,12 +10,12 @@
 A GEMM checksum sees a weight only through the products that read it; a bit flipped in HBM
 between steps, in an Adam moment (no GEMM reads it) or in a weight whose checksums were cached
 before the flip, is outside every product's check. ``seal`` reads each tensor's bits as integers
-and keeps, per block of ``block`` elements, three int64 sums: the bits, and the bits weighted by
-their 1-based index k in the block and by k squared. ``verify`` recomputes them. Integer sums are
-exact (a sum may wrap around int64; the differences stay exact), so a change d of the element at
-k moves the three by d, d k and d k^2: the element is located, and ``restore`` writes its sealed
-bits back and checks the block again. Several changed elements in one block are detected (unless
-their differences cancel exactly) but not located. 64-bit tensors are detected, not located.
+and keeps, per block of ``block`` (256) words (16- or 32-bit; a 64-bit element is two words),
+three exact sums: the words as signed integers, weighted by their 1-based index k in the block,
+and by f(k) = k^2 mod 4093 + 1. ``verify`` recomputes them. The sums are exact, so a change d of
+the word at k moves the three by d, d k and d f(k): the word is located, and ``restore`` writes
+its sealed bits back and checks the block again. Several changed words in one block are detected
+(unless their differences cancel exactly) but not located.
 
 Cost: ``seal`` and ``verify`` each read every tensor once (a parameter and two Adam moments, as
 much as the optimizer step itself reads); ``every`` and the guard's sampling spread it.
@@ -33,38 +33,57 @@ def _local(t):
 
 
 def _bits(t):
-    """``t``'s elements as signed integers of the same width (a flat view, no copy)."""
+    """``t``'s bits as a flat view of signed 16- or 32-bit integers (64-bit elements as two
+    32-bit words; no copy)."""
     t = _local(t).detach()
     if not t.is_contiguous():
         raise ValueError("abft.RestCheck: a non-contiguous tensor cannot be fingerprinted in place")
     flat = t.reshape(-1)
-    if flat.is_floating_point() or flat.is_complex():
-        flat = flat.view(_BITS[flat.element_size()]) if not flat.is_complex() else \
-            torch.view_as_real(flat).reshape(-1).view(_BITS[flat.element_size() // 2])
-    return flat
+    if flat.is_complex():
+        flat = torch.view_as_real(flat).reshape(-1)
+    if flat.element_size() == 1:
+        return flat.view(torch.uint8).to(torch.int16)     # a copy; read-only use
+    return flat.view(torch.int16 if flat.element_size() == 2 else torch.int32)
+
+
+_W = {}
+
+
+def _weights(block, device):
+    """(block, 3) float64: 1, the 1-based index k, and f(k) = k^2 mod 4093 + 1 (kept)."""
+    key = (block, str(device))
+    if key not in _W:
+        k = torch.arange(1, block + 1, dtype=torch.int64, device=device)
+        _W[key] = torch.stack([torch.ones_like(k), k, k * k % 4093 + 1], 1).to(torch.float64)
+    return _W[key]
+
+
+def _f(k):
+    return k * k % 4093 + 1
 
 
 def fingerprint(t, block, first=0, count=None):
-    """int64 sums per block of ``block`` elements of ``t``'s bits, a (3, blocks) tensor: plain,
-    weighted by the index k (1-based) in the block, weighted by k^2. ``first``, ``count``: a range
-    of blocks only."""
+    """Exact sums per block of ``block`` (at most 256) elements of ``t``'s bits, a (3, blocks)
+    int64 tensor: plain, weighted by the index k (1-based) in the block, weighted by f(k).
+    ``first``, ``count``: a range of blocks only.
+
+    One pass to float64 and one product with the (block, 3) weights: every term and partial sum
+    is an integer below 2^53 (|bits| < 2^31, k <= 256, f(k) <= 4093), so the float64 sums are
+    exact whatever the summation order."""
     bits = _bits(t)
     nb = -(-bits.numel() // block)
     count = nb - first if count is None else count
-    out = torch.zeros(3, count, dtype=torch.int64, device=bits.device)
-    k = torch.arange(1, block + 1, dtype=torch.int64, device=bits.device)
-    w = torch.stack([torch.ones_like(k), k, k * k])                  # (3, block)
+    out = torch.empty(count, 3, dtype=torch.int64, device=bits.device)
+    w = _weights(block, bits.device)
     per = max(1, _CHUNK // block)
     for b0 in range(first, first + count, per):
-        part = bits[b0 * block:min(first + count, b0 + per) * block].to(torch.int64)
-        whole = part.numel() // block
-        if whole:
-            rows = part[:whole * block].view(whole, block)
-            out[:, b0 - first:b0 - first + whole] = (rows.unsqueeze(0) * w.unsqueeze(1)).sum(2)
-        if whole * block < part.numel():          # the last, short block
-            tail = part[whole * block:]
-            out[:, b0 - first + whole] = (tail * w[:, :tail.numel()]).sum(1)
-    return out
+        b1 = min(first + count, b0 + per)
+        x = bits[b0 * block:b1 * block].to(torch.float64)
+        short = (b1 - b0) * block - x.numel()
+        if short:                                   # the last block: zeros add nothing
+            x = torch.cat([x, x.new_zeros(short)])
+        out[b0 - first:b1 - first] = (x.view(-1, block) @ w).to(torch.int64)
+    return out.t()
 
 
 class RestCheck:
@@ -78,9 +97,10 @@ class RestCheck:
         block: elements per fingerprint block (more: less memory, coarser location).
     """
 
-    def __init__(self, optimizer, *, names=None, states=True, block=4096):
-        if not isinstance(block, int) or block < 1:
-            raise ValueError(f"abft.RestCheck: block must be a whole number >= 1, got {block!r}")
+    def __init__(self, optimizer, *, names=None, states=True, block=256):
+        if isinstance(block, bool) or not isinstance(block, int) or not 1 <= block <= 256:
+            raise ValueError(f"abft.RestCheck: block must be a whole number in [1, 256], "
+                             f"got {block!r}")
         self.opt, self.states, self.block = optimizer, states, block
         self.names = {id(p): n for p, n in (names or {}).items()}
         self.sealed = {}
@@ -127,13 +147,14 @@ class RestCheck:
                 d0, d1, d2 = (int(x) for x in now[:, b] - sums[:, b])
                 index = None
                 if d0 != 0 and d1 % d0 == 0 and 1 <= d1 // d0 <= self.block and \
-                        d2 == d0 * (d1 // d0) ** 2 and local.element_size() < 8:
-                    index = b * self.block + d1 // d0 - 1
-                    if index >= local.numel():
+                        d2 == d0 * _f(d1 // d0):
+                    index = b * self.block + d1 // d0 - 1        # in the bits' words
+                    if index >= _bits(t).numel():
                         index = None
                 row = col = None
                 if index is not None:
-                    row, col = divmod(index, local.shape[-1]) if local.dim() >= 2 else (0, index)
+                    elem = index // max(1, _bits(t).numel() // max(1, local.numel()))
+                    row, col = divmod(elem, local.shape[-1]) if local.dim() >= 2 else (0, elem)
                 found.append(Alarm(
                     op="rest", phase=kind, module=name, step=labels.get("step"),
                     micro_step=labels.get("micro_step"), replica=labels.get("replica"),
@@ -159,9 +180,13 @@ class RestCheck:
                 continue
             t, sums = entry
             bits, b, d = _bits(t), index // self.block, a.labels["delta_bits"]
+            if _local(t).element_size() == 1:                  # a copy: nothing to write back
+                left.append(a)
+                continue
+            was = int(bits[index])
             with torch.no_grad():
-                bits[index] -= d
+                bits[index] = was - d                       # the sealed word (signed)
                 if not torch.equal(fingerprint(t, self.block, b, 1)[:, 0], sums[:, b]):
-                    bits[index] += d
+                    bits[index] = was
                     left.append(a)
         return left

@@ -25,14 +25,27 @@ def _trained(dtype=torch.float32):
     return m, opt
 
 
+def _want(bits, block):
+    out = []
+    for i in range(0, len(bits), block):
+        part = bits[i:i + block]
+        out.append([sum(x for x in part), sum((k + 1) * x for k, x in enumerate(part)),
+                    sum(((k + 1) ** 2 % 4093 + 1) * x for k, x in enumerate(part))])
+    return torch.tensor(out).t()
+
+
 def test_fingerprints_are_the_per_block_sums_with_a_short_tail(monkeypatch):
     monkeypatch.setattr(R, "_CHUNK", 1000)            # several passes, and a tail block
     t = torch.randn(10007)
-    bits = t.view(torch.int32).to(torch.int64)
-    want = torch.tensor([[int((bits[i:i + 128] * torch.arange(1, 129)[:len(bits[i:i + 128])] ** p)
-                               .sum()) for i in range(0, 10007, 128)] for p in (0, 1, 2)])
+    want = _want(t.view(torch.int32).tolist(), 128)
     assert torch.equal(R.fingerprint(t, 128), want)
     assert torch.equal(R.fingerprint(t, 128, 5, 3), want[:, 5:8])
+
+
+def test_fingerprints_stay_exact_at_the_largest_block_and_bits():
+    for word in (-(1 << 31), (1 << 31) - 1):
+        t = torch.full((256 * 3 + 5,), word, dtype=torch.int32).view(torch.float32)
+        assert torch.equal(R.fingerprint(t, 256), _want([word] * (256 * 3 + 5), 256))
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -71,8 +84,9 @@ def test_two_changes_in_a_block_are_detected_not_located_and_left_alone():
 
 def test_block_must_be_a_whole_number():
     m, opt = _trained()
-    with pytest.raises(ValueError, match="block"):
-        abft.RestCheck(opt, block=0)
+    for bad in (0, 257, True, 2.0):
+        with pytest.raises(ValueError, match="block"):
+            abft.RestCheck(opt, block=bad)
 
 
 def _train(steps, *, rest=True, flips=None, every=1, decision="rerun"):
@@ -142,3 +156,15 @@ def test_a_change_outside_the_step_needs_reseal():
     guard.reseal()
     guard.step(closure)
     assert not any(sum(r["alarm_counts"]) for r in guard.records)
+
+
+def test_a_float64_flip_is_located_and_restored():
+    t = torch.randn(300, dtype=torch.float64)
+    p = torch.nn.Parameter(t.clone())
+    opt = torch.optim.SGD([p], lr=0.1)
+    rc = abft.RestCheck(opt, block=128)
+    rc.seal()
+    p.detach().view(torch.int64)[200] ^= 1 << 40        # the high word of element 200
+    (a,) = rc.verify()
+    assert (a.tile, a.row, a.col) == ((401 // 128,), 0, 200)
+    assert rc.restore([a]) == [] and torch.equal(p.detach(), t)
