@@ -382,6 +382,8 @@ BAD = [
     ('[[profiles]]\nname = "a"\nmulti_bit = "x"', "multi_bit"),
     ('threads = 0\n[[profiles]]\nname = "a"', "threads"),
     ('[train]\nsteps = 5\n[[profiles]]\nname = "a"\nonset = 5', "onset"),
+    ('[train]\nrest = 1\n[[profiles]]\nname = "a"', "train.rest"),
+    ('[train]\nrecompute = 2\n[[profiles]]\nname = "a"', "train.recompute"),
     # the triton backend injects one element's bit flip or zero in the kernel, nothing else
     ('backend = "triton"\n[[profiles]]\nname = "a"', "kinds"),
     ('backend = "triton"\n[[profiles]]\nname = "a"\nkinds = { zero = 1 }\n'
