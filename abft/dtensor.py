@@ -35,7 +35,8 @@ def _is_dtensor(t):
 
 def located(fn, *args):
     """``fn(*args)``; when an operand is a DTensor, the alarms of the products checked inside
-    get ``labels["shard"]`` (filled once the output's placement is known, before any flush)."""
+    get ``labels["shard"]``, filled once the output's placement is known: an alarm resolved
+    inside the product (the ``raise`` policy, a full queue) finds it still empty."""
     if "torch.distributed.tensor" not in sys.modules or not any(map(_is_dtensor, args)):
         return fn(*args)
     labels = context.current().labels      # the current scope's, so call ids run on
@@ -60,7 +61,8 @@ def shard_of(t):
     strided = any(type(p).__name__ == "_StridedShard" for p in t.placements)
     offset = None if strided else [int(o) for o in compute_local_shape_and_global_offset(
         t.shape, t.device_mesh, t.placements)[1]]
-    return {"coordinate": [int(c) for c in t.device_mesh.get_coordinate()], "offset": offset,
+    coord = t.device_mesh.get_coordinate()          # None on a rank outside the mesh
+    return {"coordinate": None if coord is None else [int(c) for c in coord], "offset": offset,
             "partial": any(p.is_partial() for p in t.placements)}
 
 
@@ -69,8 +71,9 @@ def _offered(placements, dim):
     (``_StridedShard``, what DTensor makes of a flattened sharded view) the operand holds."""
     from torch.distributed.tensor import Shard
     out = [Shard(dim)]
-    for p in placements:
-        if type(p).__name__ == "_StridedShard" and p.dim == dim and p not in out:
+    for p in placements:     # by type too: in some torch versions a strided shard equals a plain one
+        if type(p).__name__ == "_StridedShard" and p.dim == dim and \
+                not any(type(q) is type(p) and q == p for q in out):
             out.append(p)
     return out
 

@@ -23,7 +23,9 @@ optimizer state are sealed after each update and verified after the closure, bef
 update reads them; a changed element (a bit flipped in memory) is an alarm of kind ``rest`` like
 a GEMM's, and a located one is written back to its sealed bits first, so ``rerun`` replays the
 step from the restored state (an element that cannot be located is found again: persistent).
-Parameters or state changed outside ``step`` need ``reseal()``.
+Parameters or state changed outside ``step`` need ``reseal()``; build the guard after DDP has
+broadcast the parameters. Parameters changed during forward or backward (an embedding's
+``max_norm``, an optimizer stepping inside backward) cannot be checked at rest.
 
 Sampling: ``every=N`` checks one step in N (the others run with abft disabled); after an alarm or
 an anomaly (non-finite loss, a loss above ``spike`` x the running median) every step is checked
@@ -81,7 +83,7 @@ class StepGuard:
             os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
             self.tracker = open(path, "a", encoding="utf-8")
         self.resolve_s = self.reduce_s = 0.0
-        self.rest = None
+        self.rest, self._rest_left = None, []
         if rest:
             from abft.rest import RestCheck
             self.rest = rest if isinstance(rest, RestCheck) else RestCheck(optimizer, names=names)
@@ -101,7 +103,7 @@ class StepGuard:
             alarms = policy.flush() if check else []
             if check and self.rest is not None and self.rest.sealed:
                 found = self.rest.verify()      # the state at rest, before the update reads it
-                self.rest.restore(found)        # located elements back to their sealed bits
+                self._rest_left = self.rest.restore(found)   # located ones back to their bits
                 alarms = alarms + found
             t1 = time.perf_counter()
         counts = self._reduce(len(alarms))
@@ -204,10 +206,13 @@ class StepGuard:
         self.step_index += 1
         if self.rest is not None:      # seal for the next step, if it is checked
             nxt = self.step_index
-            if nxt % self.every == 0 or nxt <= self.hot_until:
+            if self._rest_left and not apply:
+                pass                   # not restored, not updated: keep it in view
+            elif nxt % self.every == 0 or nxt <= self.hot_until:
                 self.rest.seal()
             else:
                 self.rest.sealed = {}
+            self._rest_left = []
         return loss
 
     def reseal(self):

@@ -35,7 +35,7 @@ _lock = threading.RLock()
 _queue = collections.deque()
 _queue_bytes = 0
 _stats = collections.Counter()
-_reported = []          # alarms of detectors outside the GEMMs, returned by the next flush()
+_reported = []          # alarms resolved or found outside a flush(), returned by the next one
 _margins = {}                 # (op, module) -> [worst clean ratio, its phase, clean calls]
 
 
@@ -133,8 +133,10 @@ def enqueue(p):
         _queue.append(p)
         _queue_bytes += p.nbytes
         full = len(_queue) >= s.max_pending or _queue_bytes >= s.max_pending_bytes
-    if full:
-        flush()
+    if full:            # resolved early: the next flush() still returns these alarms
+        early = flush()
+        with _lock:
+            _reported.extend(early)
 
 
 def report(alarms, log):

@@ -8,14 +8,18 @@ A checksum covers a product; the modules between products (a layer norm, a GELU,
 embedding lookup) compute outside it. These modules are deterministic functions of their inputs
 on one device, so on a sampled call the check runs the module's ``forward`` again on the same
 inputs, without autograd, and compares the two outputs bit for bit: a fault in the first
-computation, or in its output before the module's consumers read it, differs from the rerun. An
+computation, or in its output before this check reads it (first among the module's hooks),
+differs from the rerun. An
 alarm names the module, its type and the first differing element; the policy applies as for a
 product (``recompute`` and ``correct`` hand the rerun's output on). ``rate`` sets the cost: the
 sampled modules run twice in the forward (their backward is not rerun). Sampling is spread
 evenly over each module's calls (``rate`` 0.25: calls 3, 7, 11, ...), so the same run samples the
 same calls.
 
-Modules with randomness (dropout) or state (batch norm in training) are not rerun.
+Modules with randomness (dropout) or state (batch norm in training) are not rerun, nor modules
+that write in place (``inplace=True``, an embedding with ``max_norm``, any forward that changed a
+tensor argument or returns its storage: counted in ``skipped``). Under ``torch.compile`` the
+check stands aside. Each sampled call compares on the host (one synchronization).
 """
 import math
 import time
@@ -30,13 +34,28 @@ _NAMES = ("RMSNorm", "LayerNorm", "SiLUActivation", "GELUActivation", "NewGELUAc
 
 
 def _covered(mod):
+    if getattr(mod, "inplace", False):           # it overwrote its input: no rerun possible
+        return False
+    if isinstance(mod, nn.Embedding) and mod.max_norm is not None:   # renormalizes in place
+        return False
     return isinstance(mod, TYPES) or type(mod).__name__ in _NAMES or \
         type(mod).__name__.endswith(("RMSNorm", "LayerNorm"))
 
 
 def _bits(t):
-    return t.view({2: torch.int16, 4: torch.int32, 8: torch.int64}[t.element_size()]) \
-        if t.is_floating_point() else t
+    return t.view({1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[
+        t.element_size()]) if t.is_floating_point() else t
+
+
+def _shares(a, b):
+    try:
+        return a.untyped_storage().data_ptr() == b.untyped_storage().data_ptr()
+    except (RuntimeError, NotImplementedError):       # no plain storage (DTensor, ...)
+        return False
+
+
+def _tensors(args, kwargs):
+    return [a for a in (*args, *kwargs.values()) if torch.is_tensor(a)]
 
 
 class _Replaced(torch.autograd.Function):
@@ -66,10 +85,21 @@ class RecomputeCheck:
         self.rate, self.calls, self.checked, self.seconds = float(rate), {}, 0, 0.0
         self.handles = []
         self.modules = {}
+        self.versions = {}
+        self.skipped = 0             # sampled calls not rerun: the forward changed its input
         for name, mod in model.named_modules():
             if not list(mod.children()) and _covered(mod):
                 self.modules[id(mod)] = name
-                self.handles.append(mod.register_forward_hook(self._hook, with_kwargs=True))
+                # first among the module's hooks: the output as forward made it, before
+                # others (fake-quantize observers, FSDP's reshard) act on it or on the module
+                self.handles.append(mod.register_forward_pre_hook(
+                    self._pre, with_kwargs=True, prepend=True))
+                self.handles.append(mod.register_forward_hook(
+                    self._hook, with_kwargs=True, prepend=True))
+
+    def _pre(self, mod, args, kwargs):
+        self.versions[id(mod)] = [t._version for t in _tensors(args, kwargs)]
+        return None
 
     def _sampled(self, key):
         n = self.calls.get(key, 0)
@@ -78,8 +108,13 @@ class RecomputeCheck:
 
     def _hook(self, mod, args, kwargs, output):
         from abft import settings
-        if not settings.get().enabled or not torch.is_tensor(output) or \
-                not self._sampled(id(mod)):
+        if torch.compiler.is_compiling() or not settings.get().enabled or \
+                not torch.is_tensor(output) or not self._sampled(id(mod)):
+            return None
+        seen = _tensors(args, kwargs)
+        if self.versions.pop(id(mod), None) != [t._version for t in seen] or \
+                any(_shares(t, output) for t in seen):
+            self.skipped += 1        # written in place: a rerun would not see the same input
             return None
         t0 = time.perf_counter()
         with torch.no_grad():

@@ -21,11 +21,13 @@ Cost: ``seal`` and ``verify`` each read every tensor once (a parameter and two A
 much as the optimizer step itself reads); ``every`` and the guard's sampling spread it.
 """
 import time
+import warnings
 
 import torch
 
 _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
-_CHUNK = 1 << 22          # elements per pass: bounds the int64 temporaries
+_CHUNK = 1 << 22          # elements per pass: bounds the float64 temporaries
+MAX_ALARMS = 16           # located alarms per tensor; past that, one summary alarm
 
 
 def _local(t):
@@ -36,8 +38,12 @@ def _bits(t):
     """``t``'s bits as a flat view of signed 16- or 32-bit integers (64-bit elements as two
     32-bit words; no copy)."""
     t = _local(t).detach()
-    if not t.is_contiguous():
-        raise ValueError("abft.RestCheck: a non-contiguous tensor cannot be fingerprinted in place")
+    if not t.is_contiguous():            # dense in another order (channels_last): its memory
+        order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
+        t = t.permute(order)
+        if not t.is_contiguous():
+            raise ValueError("abft.RestCheck: a tensor with gaps or overlaps in memory cannot "
+                             "be fingerprinted in place")
     flat = t.reshape(-1)
     if flat.is_complex():
         flat = torch.view_as_real(flat).reshape(-1)
@@ -115,7 +121,7 @@ class RestCheck:
                 out.append((name, "param", p))
                 if self.states:
                     for key, v in sorted(self.opt.state.get(p, {}).items()):
-                        if torch.is_tensor(v) and v.dim() > 0 and _local(v).numel() > 0:
+                        if torch.is_tensor(v) and key != "step" and _local(v).numel() > 0:
                             out.append((name, key, v))
         return out
 
@@ -137,13 +143,28 @@ class RestCheck:
         found = []
         sc = current()
         labels = sc.labels
+        if not self.sealed:
+            return []
+        live = {(name, kind): t for name, kind, t in self.tensors()}
+        if {k: id(t) for k, t in live.items()} != {k: id(e[0]) for k, e in self.sealed.items()}:
+            # tensors replaced, added or removed outside the step (a loaded state dict, state
+            # made lazily): what was sealed is no longer what will be read; seal it as it is
+            warnings.warn("abft.RestCheck: the parameters or optimizer state were replaced since "
+                          "the last seal; sealed again without a check (call seal() after "
+                          "loading a checkpoint)", RuntimeWarning, stacklevel=2)
+            self.seal()
+            return []
         for (name, kind), (t, sums) in self.sealed.items():
             now = fingerprint(t, self.block)
             bad = (now != sums).any(0)
             if not bool(bad.any()):
                 continue
             local = _local(t)
-            for b in bad.nonzero().flatten().tolist():
+            blocks = bad.nonzero().flatten().tolist()
+            if len(blocks) > MAX_ALARMS:       # one alarm per block up to here, then a summary
+                found.append(self._summary(name, kind, local, blocks, labels))
+                blocks = blocks[:MAX_ALARMS]
+            for b in blocks:
                 d0, d1, d2 = (int(x) for x in now[:, b] - sums[:, b])
                 index = None
                 if d0 != 0 and d1 % d0 == 0 and 1 <= d1 // d0 <= self.block and \
@@ -166,6 +187,18 @@ class RestCheck:
         policy.emit(found, sc.log)
         self.verify_s += time.perf_counter() - t0
         return found
+
+    def _summary(self, name, kind, local, blocks, labels):
+        from abft.alarms import Alarm
+        from abft.context import current_rank
+        return Alarm(
+            op="rest", phase=kind, module=name, step=labels.get("step"),
+            micro_step=labels.get("micro_step"), replica=labels.get("replica"),
+            rank=current_rank(), call_id=-1, shapes=(tuple(local.shape),),
+            dtype=str(local.dtype).replace("torch.", ""), bm=self.block, bn=1, tile=(), batch=(),
+            row=None, col=None, residual=float("nan"), threshold=0.0, backend="rest",
+            time=time.time(), kind="rest", action="recorded",
+            labels={"index": None, "blocks": len(blocks)})
 
     def restore(self, alarms):
         """Write back the sealed bits of every located element in ``alarms``, then check its

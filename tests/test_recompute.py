@@ -145,3 +145,44 @@ def test_own_modules_named_after_their_function_are_covered():
     model = GPT(GPTConfig(vocab=16, block=8, layers=1, heads=2, dim=8))
     names = set(abft.RecomputeCheck(model).modules.values())
     assert {"blocks.0.mlp.act", "blocks.0.attn.softmax", "blocks.0.ln1", "tok"} <= names, names
+
+
+class _Scale(nn.Module):
+    """Writes into its input (as some users' norms do): no rerun can see that input again."""
+
+    def forward(self, x):
+        return x.mul_(2.0).tanh()
+
+
+def test_modules_that_write_in_place_are_not_rerun():
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(8, 8), nn.ReLU(inplace=True), nn.Linear(8, 8),
+                      nn.SiLU(inplace=True), nn.Linear(8, 8), _Scale(), nn.LayerNorm(8),
+                      nn.Embedding(4, 8, max_norm=1.0))
+    rc = abft.RecomputeCheck(m[:7])
+    assert sorted(rc.modules.values()) == ["6"]          # inplace ReLU/SiLU left out
+    emb = abft.RecomputeCheck(nn.Sequential(nn.Embedding(4, 8, max_norm=1.0)))
+    assert emb.modules == {}
+    x = torch.randn(5, 8)
+    y = m[:7](x)
+    y.sum().backward()                                   # autograd intact
+    assert abft.flush() == [] and rc.checked == 1
+
+
+def test_own_modules_writing_their_input_are_skipped_not_alarmed():
+    class Named(_Scale):
+        pass
+    Named.__name__ = "MyRMSNorm"                          # covered by its name
+    m = nn.Sequential(Named())
+    rc = abft.RecomputeCheck(m)
+    assert list(rc.modules.values()) == ["0"]
+    m(torch.randn(3, 4))
+    assert abft.flush() == [] and rc.skipped == 1 and rc.checked == 0
+
+
+def test_a_hook_registered_before_the_check_does_not_false_alarm():
+    m = _model()
+    m[2].register_forward_hook(lambda mod, args, out: out + 1.0)   # e.g. a steering hook
+    abft.RecomputeCheck(m)
+    m(torch.randn(5, 8))
+    assert abft.flush() == []

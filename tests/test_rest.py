@@ -1,4 +1,6 @@
 """Fingerprints of the state at rest (abft.RestCheck) and the guard's use of them."""
+import copy
+
 import pytest
 import torch
 
@@ -168,3 +170,73 @@ def test_a_float64_flip_is_located_and_restored():
     (a,) = rc.verify()
     assert (a.tile, a.row, a.col) == ((401 // 128,), 0, 200)
     assert rc.restore([a]) == [] and torch.equal(p.detach(), t)
+
+
+def test_channels_last_weights_and_their_moments_are_checked():
+    torch.manual_seed(0)
+    conv = torch.nn.Conv2d(3, 8, 3).to(memory_format=torch.channels_last)
+    opt = torch.optim.AdamW(conv.parameters(), lr=1e-2)
+    conv(torch.randn(2, 3, 8, 8).to(memory_format=torch.channels_last)).sum().backward()
+    opt.step()
+    rc = abft.RestCheck(opt, names={conv.weight: "w", conv.bias: "b"})
+    rc.seal()
+    before = conv.weight.detach().clone()
+    conv.weight.detach()[5, 1, 2, 0].view(1).view(torch.int32)[0] ^= 1 << 27
+    (a,) = rc.verify()
+    assert a.module == "w" and rc.restore([a]) == [] and torch.equal(conv.weight.detach(), before)
+
+
+def test_a_replaced_state_is_sealed_again_not_alarmed():
+    m, opt = _trained()
+    rc = abft.RestCheck(opt)
+    rc.seal()
+    opt.load_state_dict(copy.deepcopy(opt.state_dict()))      # new tensors, the same values
+    with pytest.warns(RuntimeWarning, match="replaced"):
+        assert rc.verify() == []
+    _flip(opt.state[m[0].weight]["exp_avg"], 3, 20)   # the live moment, not the old one
+    assert [a.phase for a in rc.verify()] == ["exp_avg"]
+
+
+def test_many_changed_blocks_give_a_bounded_number_of_alarms():
+    m, opt = _trained()
+    rc = abft.RestCheck(opt, block=16)
+    rc.seal()
+    with torch.no_grad():
+        m[0].weight.mul_(1.5)                       # forgot reseal() after changing weights
+    found = rc.verify()
+    assert len(found) == R.MAX_ALARMS + 1
+    assert found[0].labels["blocks"] == -(-m[0].weight.numel() // 16)
+
+
+def test_an_unrestored_change_stays_in_view_when_the_step_is_skipped():
+    m = _model()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    guard = abft.StepGuard(opt, rest=True, decision="skip")
+
+    def closure():
+        loss = m(torch.ones(2, 24)).sum()
+        loss.backward()
+        return loss
+    guard.step(closure)
+    bits = m[0].weight.detach().reshape(-1).view(torch.int32)
+    bits[10] += 1
+    bits[12] += 1                                   # two in one block: not located
+    for _ in range(2):
+        guard.step(closure)
+    assert [sum(r["alarm_counts"]) for r in guard.records] == [0, 1, 1]
+
+
+def test_the_guard_counts_alarms_resolved_early_by_a_full_queue():
+    m = _model()
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
+    guard = abft.StepGuard(opt, decision="skip")
+
+    def closure():
+        with abft.checked(m):
+            loss = m(torch.ones(2, 24)).sum()
+            loss.backward()
+        return loss
+    with abft.config(max_pending=2), abft.inject(when=lambda c: c.phase == "forward" and
+                                                 c.module == "0", kind="add", value=50.0):
+        guard.step(closure)
+    assert guard.records[-1]["alarm_counts"] == [1] and guard.records[-1]["decision"] == "skip"
