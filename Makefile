@@ -28,8 +28,9 @@ demo-gemm: $(STAMP)
 test: $(STAMP)
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests --benchmark-disable -m "not slow"
 
-# the tests marked slow (the fused kernel under a whole Llama, the second stress seed): run them
-# before calling work on the kernel or the threshold done
+# the tests marked slow (the fused kernel under a whole Llama, the second stress seed, an
+# evaluation trial on the triton backend): run them before calling work on the kernel, the
+# threshold or the evaluation's triton path done
 test-slow: $(STAMP)
 	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests --benchmark-disable -m slow
 
