@@ -137,8 +137,7 @@ class RestCheck:
         [] before the first seal; they go to the current scope's log and ``abft.alarms()``, as
         a GEMM's do."""
         from abft import policy
-        from abft.alarms import Alarm
-        from abft.context import current, current_rank
+        from abft.context import current
         t0 = time.perf_counter()
         found = []
         sc = current()
@@ -159,10 +158,12 @@ class RestCheck:
             bad = (now != sums).any(0)
             if not bool(bad.any()):
                 continue
-            local = _local(t)
+            local, words = _local(t), _bits(t).numel()
             blocks = bad.nonzero().flatten().tolist()
             if len(blocks) > MAX_ALARMS:       # one alarm per block up to here, then a summary
-                found.append(self._summary(name, kind, local, blocks, labels))
+                found.append(self._alarm(name, kind, local, labels, tile=(), row=None, col=None,
+                                         residual=float("nan"),
+                                         labels={"index": None, "blocks": len(blocks)}))
                 blocks = blocks[:MAX_ALARMS]
             for b in blocks:
                 d0, d1, d2 = (int(x) for x in now[:, b] - sums[:, b])
@@ -170,35 +171,31 @@ class RestCheck:
                 if d0 != 0 and d1 % d0 == 0 and 1 <= d1 // d0 <= self.block and \
                         d2 == d0 * _f(d1 // d0):
                     index = b * self.block + d1 // d0 - 1        # in the bits' words
-                    if index >= _bits(t).numel():
+                    if index >= words:
                         index = None
                 row = col = None
                 if index is not None:
-                    elem = index // max(1, _bits(t).numel() // max(1, local.numel()))
+                    elem = index // max(1, words // max(1, local.numel()))
                     row, col = divmod(elem, local.shape[-1]) if local.dim() >= 2 else (0, elem)
-                found.append(Alarm(
-                    op="rest", phase=kind, module=name, step=labels.get("step"),
-                    micro_step=labels.get("micro_step"), replica=labels.get("replica"),
-                    rank=current_rank(), call_id=-1, shapes=(tuple(local.shape),),
-                    dtype=str(local.dtype).replace("torch.", ""), bm=self.block, bn=1,
-                    tile=(b,), batch=(), row=row, col=col, residual=float(d0), threshold=0.0,
-                    backend="rest", time=time.time(), kind="rest", action="recorded",
-                    labels={"index": index, "delta_bits": d0}))
+                found.append(self._alarm(name, kind, local, labels, tile=(b,), row=row, col=col,
+                                         residual=float(d0),
+                                         labels={"index": index, "delta_bits": d0}))
         policy.emit(found, sc.log)
         self.verify_s += time.perf_counter() - t0
         return found
 
-    def _summary(self, name, kind, local, blocks, labels):
+    def _alarm(self, name, kind, local, scope, **where):
+        """A ``rest`` alarm on tensor ``name`` (``kind``: "param" or a state key), labelled by
+        the ``scope`` labels; ``where``: tile, row, col, residual and the alarm's labels."""
         from abft.alarms import Alarm
         from abft.context import current_rank
         return Alarm(
-            op="rest", phase=kind, module=name, step=labels.get("step"),
-            micro_step=labels.get("micro_step"), replica=labels.get("replica"),
+            op="rest", phase=kind, module=name, step=scope.get("step"),
+            micro_step=scope.get("micro_step"), replica=scope.get("replica"),
             rank=current_rank(), call_id=-1, shapes=(tuple(local.shape),),
-            dtype=str(local.dtype).replace("torch.", ""), bm=self.block, bn=1, tile=(), batch=(),
-            row=None, col=None, residual=float("nan"), threshold=0.0, backend="rest",
-            time=time.time(), kind="rest", action="recorded",
-            labels={"index": None, "blocks": len(blocks)})
+            dtype=str(local.dtype).replace("torch.", ""), bm=self.block, bn=1, batch=(),
+            threshold=0.0, backend="rest", time=time.time(), kind="rest", action="recorded",
+            **where)
 
     def restore(self, alarms):
         """Write back the sealed bits of every located element in ``alarms``, then check its

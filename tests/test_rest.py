@@ -143,15 +143,21 @@ def test_an_unlocated_change_is_persistent():
         _train(4, flips={1: [(two, 3, 2), (two, 5, 2)]})
 
 
-def test_a_change_outside_the_step_needs_reseal():
+def _guarded(decision):
+    """A model, a guard with the rest check, and a closure of one fixed batch."""
     m = _model()
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    guard = abft.StepGuard(opt, rest=True, decision="continue")
+    guard = abft.StepGuard(torch.optim.AdamW(m.parameters(), lr=1e-2), rest=True,
+                           decision=decision)
 
     def closure():
         loss = m(torch.ones(2, 24)).sum()
         loss.backward()
         return loss
+    return m, guard, closure
+
+
+def test_a_change_outside_the_step_needs_reseal():
+    m, guard, closure = _guarded("continue")
     guard.step(closure)
     with torch.no_grad():
         m[0].weight.clamp_(-0.01, 0.01)            # the user's own change
@@ -209,14 +215,7 @@ def test_many_changed_blocks_give_a_bounded_number_of_alarms():
 
 
 def test_an_unrestored_change_stays_in_view_when_the_step_is_skipped():
-    m = _model()
-    opt = torch.optim.AdamW(m.parameters(), lr=1e-2)
-    guard = abft.StepGuard(opt, rest=True, decision="skip")
-
-    def closure():
-        loss = m(torch.ones(2, 24)).sum()
-        loss.backward()
-        return loss
+    m, guard, closure = _guarded("skip")
     guard.step(closure)
     bits = m[0].weight.detach().reshape(-1).view(torch.int32)
     bits[10] += 1
