@@ -90,6 +90,10 @@ class StepGuard:
             self.rest.seal()
 
     # ------------------------------------------------------------------ internals
+    def _checks(self, s):
+        """Is step ``s`` checked: sampled (``every``), or inside an escalation."""
+        return s % self.every == 0 or s <= self.hot_until
+
     def _params(self):
         return [p for g in self.opt.param_groups for p in g["params"]]
 
@@ -166,7 +170,7 @@ class StepGuard:
         """Run ``closure`` (forward + backward) under the guard, decide, maybe apply the update.
         Returns the closure's result (the rerun's on a transient fault)."""
         s = self.step_index
-        check = s % self.every == 0 or s <= self.hot_until
+        check = self._checks(s)
         rng = torch.get_rng_state()
         cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
         loss, alarms, counts = self._run(closure, check)
@@ -205,10 +209,9 @@ class StepGuard:
             self.opt.step()
         self.step_index += 1
         if self.rest is not None:      # seal for the next step, if it is checked
-            nxt = self.step_index
             if self._rest_left and not apply:
                 pass                   # not restored, not updated: keep it in view
-            elif nxt % self.every == 0 or nxt <= self.hot_until:
+            elif self._checks(self.step_index):
                 self.rest.seal()
             else:
                 self.rest.sealed = {}
