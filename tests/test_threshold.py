@@ -1,5 +1,6 @@
 """Gates of the threshold on the stress set: no false alarm, every threshold at most the
 deterministic worst-case bound of its sum, every error above that bound detected and located."""
+import dataclasses
 import os
 import zlib
 
@@ -243,6 +244,33 @@ def _scaled_case(data, dtype):
     return a, b, c, a2, b2, c2, ok
 
 
+def _underflow_negligible(a, b, c, dtype, bs, rtol):
+    """The threshold's underflow allowance (absolute: eta per product term and per stored element,
+    flushed inputs) is below rtol / 10 of every threshold of the product: only there is the verdict
+    scale-free. Near the subnormal range it is not, by design (hypothesis drew float32 with
+    B scaled by 2^-97, K = 1: the ratios moved by 1.8e-6)."""
+    u = units(dtype)
+    free = dataclasses.replace(u, eta_acc=0.0, eta_out=0.0, ftz=0.0)
+    *_, s = check(a, b, c, bm=bs, bn=bs, units=u, return_sums=True)
+    *_, s0 = check(a, b, c, bm=bs, bn=bs, units=free, return_sums=True)
+    return all(bool(((s[k] - s0[k]).abs() <= rtol / 10 * s0[k].abs()).all()) for k in ("thr_col", "thr_row"))
+
+
+def test_power_of_two_invariance_stops_at_the_underflow_allowance():
+    """The case hypothesis found: scaled by 2^-97 the products near float32's subnormal range, the
+    underflow allowance moves the ratios by more than 1e-6 and the invariance test must skip it."""
+    g = torch.Generator().manual_seed(63)
+    a = torch.randn(20, 1, generator=g, dtype=torch.float64).float()
+    b = torch.randn(1, 1, generator=g, dtype=torch.float64).float()
+    b2 = _p2(b, -97)
+    assert _underflow_negligible(a, b, a @ b, torch.float32, 16, 1e-6)
+    assert not _underflow_negligible(a, b2, a @ b2, torch.float32, 16, 1e-6)
+    u = units(torch.float32)
+    _, d = check(a, b, a @ b, bm=16, bn=16, units=u)
+    _, d2 = check(a, b2, a @ b2, bm=16, bn=16, units=u)
+    assert not all(torch.allclose(x.double(), y.double(), rtol=1e-6, atol=1e-30) for x, y in zip(d, d2))
+
+
 def _same_verdict(v, d, v2, d2, rtol):
     assert torch.equal(v[..., L.STATUS], v2[..., L.STATUS])
     for x, y in zip(d, d2):
@@ -258,7 +286,7 @@ def test_reference_verdict_is_invariant_under_power_of_two_scaling(data, dtype):
     finite product (the same products, computed by torch, exactly scaled)."""
     from hypothesis import assume
     a, b, c, a2, b2, c2, ok = _scaled_case(data, dtype)
-    assume(ok)
+    assume(ok and _underflow_negligible(a2, b2, c2, dtype, 16, 1e-6))
     u = units(dtype)
     v, d = check(a, b, c, bm=16, bn=16, units=u)
     v2, d2 = check(a2, b2, c2, bm=16, bn=16, units=u)
@@ -274,8 +302,8 @@ def test_kernel_verdict_is_invariant_under_power_of_two_scaling(data, dtype):
     from abft.kernels import triton_gemm as TG
     if not configs.interpreting():
         pytest.skip("needs TRITON_INTERPRET=1")
-    a, b, _, a2, b2, _, ok = _scaled_case(data, dtype)
-    assume(ok)
+    a, b, _, a2, b2, c2, ok = _scaled_case(data, dtype)
+    assume(ok and _underflow_negligible(a2, b2, c2, dtype, 32, 1e-5))
     c, v, d = TG.checked_gemm(a, b, tiles=(32, 32))
     c2, v2, d2 = TG.checked_gemm(a2, b2, tiles=(32, 32))
     e = int(torch.log2(a2.abs().max() / a.abs().max()).round()) if a.abs().max() > 0 else 0
