@@ -81,7 +81,7 @@ def _located(ev, alarm, mismatches):
     if ev["pattern"] != "element" or alarm["row"] is None or not ev["applied"]:
         return None
     rec = ev["applied"][0]
-    if alarm.get("kind") in ("rest", "recompute"):     # these name the element itself
+    if alarm.get("kind") in ("rest", "recompute", "comm"):     # these name the element itself
         return (alarm["row"], alarm["col"]) == (rec.get("row"), rec.get("col"))
     if ev["site"] == "weight_memory":       # W[o, i] wrong: column o of every row is off, and
         return None if alarm["col"] is None else alarm["col"] == rec["row"]   # row sums fail

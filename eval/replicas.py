@@ -43,12 +43,13 @@ class TrainConfig:
     eval_every: int = 0      # > 0: both replicas' accuracy every so many steps (0: at the end)
     rest: bool = False       # abft.RestCheck on both replicas: the state-at-rest detector
     recompute: float = 0.0   # > 0: abft.RecomputeCheck at this rate (non-GEMM modules)
+    comm: bool = False       # gradients through a checksummed all-reduce (abft.CommCheck)
 
     def validate(self, where="train"):
         for k, v in asdict(self).items():
-            if k == "rest":
+            if k in ("rest", "comm"):
                 if not isinstance(v, bool):
-                    raise ValueError(f"{where}.rest: true or false, got {v!r}")
+                    raise ValueError(f"{where}.{k}: true or false, got {v!r}")
                 continue
             if k == "recompute":
                 if not F._number(v) or not 0 <= v <= 1:
@@ -99,6 +100,38 @@ def batches(cfg, seed, step):
     return [(x[i:i + n], y[i:i + n]) for i in range(0, cfg.batch, n)]
 
 
+class GradLink(abft.CommCheck):
+    """The gradients' all-reduce, checked: a real gloo collective over a one-rank group of this
+    process (the replicas are single-rank data-parallel jobs). A ``gradient_comm`` fault corrupts
+    its result, as a faulty collective would leave it: after the checksums were taken."""
+
+    def __init__(self, model):
+        super().__init__(model)
+        import torch.distributed as dist
+        self.group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1)
+        self.faults = []        # (event, offset in the bucket, the parameter's shape)
+
+    def reduce(self, params, events):
+        """All-reduce the gradients of ``params`` ({name: parameter}) with ``events`` applied to
+        the result; returns the alarms."""
+        offsets, off = {}, 0
+        for n, p in params.items():              # all_reduce_grads' bucket: gradients in order
+            if p.grad is not None:
+                offsets[n] = (off, p.shape)
+                off += p.numel()
+        self.faults = [(e, *offsets[e.param]) for e in events if e.param in offsets]
+        try:
+            return self.all_reduce_grads(params.values(), self.group)
+        finally:
+            self.faults = []
+
+    def communicate(self, kind, out, inp, group, op):
+        super().communicate(kind, out, inp, group, op)
+        for ev, off, shape in self.faults:
+            n = shape.numel()
+            F.corrupt(ev, out[off:off + n].view(shape))
+
+
 class Replica:
     """One replica: a protected model, its AdamW, its alarm log and its sync points."""
 
@@ -115,6 +148,7 @@ class Replica:
         self.log = AlarmLog()
         self.sync = sync.attach(self.model)
         self.losses, self.dev, self.div = [], [], []
+        self.comm = GradLink(self.model) if cfg.comm else None
         self.rest = None
         if cfg.rest:
             self.rest = abft.RestCheck(self.opt, names={p: n for n, p in self.params.items()})
@@ -139,9 +173,12 @@ class Replica:
                 for a in armed:
                     a.disarm()
             total += float(loss.detach())
-        for e in events:
-            if e.site == "gradient_comm":
-                F.Armed(e, self.model, self.opt, self.params).grads(self.params)
+        comm = [e for e in events if e.site == "gradient_comm"]
+        if self.comm is not None:
+            with abft.scope(step=s, micro_step=len(micro) - 1, replica=self.role, log=self.log):
+                self.comm.reduce(self.params, comm)
+        for e in comm if self.comm is None else ():
+            F.Armed(e, self.model, self.opt, self.params).grads(self.params)
         named = list(self.model.named_parameters())
         dev = sync.grads(named)
         if self.rest is not None:       # detection only: the evaluation scores it, restores nothing

@@ -384,6 +384,7 @@ BAD = [
     ('[train]\nsteps = 5\n[[profiles]]\nname = "a"\nonset = 5', "onset"),
     ('[train]\nrest = 1\n[[profiles]]\nname = "a"', "train.rest"),
     ('[train]\nrecompute = 2\n[[profiles]]\nname = "a"', "train.recompute"),
+    ('[train]\ncomm = "yes"\n[[profiles]]\nname = "a"', "train.comm"),
     # the triton backend injects one element's bit flip or zero in the kernel, nothing else
     ('backend = "triton"\n[[profiles]]\nname = "a"', "kinds"),
     ('backend = "triton"\n[[profiles]]\nname = "a"\nkinds = { zero = 1 }\n'
@@ -472,6 +473,23 @@ def test_the_recompute_check_catches_and_locates_a_corrupted_norm_or_activation(
     hit = [c for c in on if c["changed"] and c["mismatches"]]
     assert hit and all(c["outcome"] == "detected" for c in hit)
     assert all(c["by"].startswith("recompute ") and c["located"] is True for c in hit), hit
+    assert not [c for c in on if c["outcome"] == "false_alarm"]
+    assert [c["outcome"] for c in off if c["changed"] and c["mismatches"]] == ["missed"] * len(hit)
+
+
+def test_the_checksummed_all_reduce_catches_and_locates_corrupted_gradients(base):
+    """gradient_comm: the corruption lands in the all-reduce's result, after the checksums were
+    taken; without train.comm the gradient is corrupted where it lies and nothing sees it."""
+    import dataclasses
+    prof = F.Profile("p", rate=1.0, onset=1, sites={"gradient_comm": 1.0}, kinds={"bitflip": 1.0},
+                     bits={"exponent": 1.0}, multi_bit=0.0).validate()
+    trial = {"id": "t", "profile": prof, "mode": "computation", "seed": 5}
+    on = crosscheck.cases(run_trial(trial, dataclasses.replace(TINY, comm=True), base))
+    off = crosscheck.cases(run_trial(trial, TINY, base))
+    hit = [c for c in on if c["changed"] and c["mismatches"]]
+    assert hit and all(c["outcome"] == "detected" for c in hit), on
+    assert all(c["by"].startswith("comm ") and c["located"] is True for c in hit), hit
+    assert all(c["latency"]["steps"] == 0 for c in hit)
     assert not [c for c in on if c["outcome"] == "false_alarm"]
     assert [c["outcome"] for c in off if c["changed"] and c["mismatches"]] == ["missed"] * len(hit)
 
