@@ -21,6 +21,7 @@ from abft.guard import GuardHalt, StepGuard
 from abft.rest import RestCheck
 from abft.recompute import RecomputeCheck
 from abft.comm import CommCheck
+from abft.ledger import Ledger
 from abft import coverage as _coverage
 from abft import policy as _policy
 from abft.alarms import default_log as _default_log
@@ -76,6 +77,6 @@ def reset():
     _coverage.reset()
 
 
-__all__ = ["StepGuard", "GuardHalt", "RestCheck", "RecomputeCheck", "CommCheck", "matmul", "mm", "bmm", "addmm", "baddbmm", "linear", "scope", "config", "inject",
+__all__ = ["StepGuard", "GuardHalt", "RestCheck", "RecomputeCheck", "CommCheck", "Ledger", "matmul", "mm", "bmm", "addmm", "baddbmm", "linear", "scope", "config", "inject",
            "flush", "alarms", "stats", "margin", "coverage", "reset", "protect", "unprotect", "checked", "nn", "Alarm", "AlarmLog", "SilentCorruptionError",
            "__version__"]

@@ -1,5 +1,5 @@
 """The ``abft`` command: ``abft --version``, ``abft demo``, ``abft bench``, ``abft eval``,
-``abft report``."""
+``abft report``, ``abft ledger``."""
 import argparse
 import sys
 
@@ -76,6 +76,31 @@ def _report(args):
     return 0
 
 
+def _ledger(args):
+    import json
+    import os
+    from abft.ledger import Ledger, table
+    try:
+        if not os.path.isdir(args.job_dir):
+            raise ValueError(f"job_dir: no such folder: {args.job_dir}")
+        ledger = Ledger(args.job_dir, strikes=args.strikes, window_hours=args.window_hours)
+        if args.release:
+            host, sep, dev = args.release.partition(":")        # node1:cuda:0
+            if (host, dev) not in ledger.devices() or not sep:
+                raise ValueError(f"--release: HOST:DEVICE of a device on record "
+                                 f"({', '.join(h + ':' + d for h, d in ledger.devices()) or 'none'}), "
+                                 f"got {args.release!r}")
+            ledger.release(host, dev, note=args.note or "")
+    except ValueError as e:
+        print(f"abft ledger: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps([ledger.state(h, d) for h, d in ledger.devices()], indent=1))
+    else:
+        table(ledger)
+    return 0
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(prog="abft", description="Checked GEMMs against silent data corruption")
     ap.add_argument("--version", action="version", version=f"abft {__version__}")
@@ -98,11 +123,22 @@ def main(argv=None):
     ev.add_argument("--quiet", action="store_true", help="no progress bar")
     rp = sub.add_parser("report", help="rebuild a run folder's report")
     rp.add_argument("run_dir")
+    lg = sub.add_parser("ledger", help="the device ledger of a job folder: strikes, quarantines")
+    lg.add_argument("job_dir", help="the folder given to StepGuard(ledger=...)")
+    lg.add_argument("--strikes", type=int, default=3, help="the quarantine limit to judge by")
+    lg.add_argument("--window-hours", type=float, default=24.0, help="how far back strikes count")
+    lg.add_argument("--release", metavar="HOST:DEVICE",
+                    help="end that device's quarantine (repaired or replaced): earlier strikes "
+                         "stop counting")
+    lg.add_argument("--note", help="with --release: why (kept in the ledger)")
+    lg.add_argument("--json", action="store_true", help="the states as JSON")
     args = ap.parse_args(argv)
     if args.cmd == "eval":
         return _eval(args)
     if args.cmd == "report":
         return _report(args)
+    if args.cmd == "ledger":
+        return _ledger(args)
     if args.cmd == "demo":
         return _demo(args)
     if args.cmd == "bench":

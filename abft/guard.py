@@ -27,6 +27,13 @@ Parameters or state changed outside ``step`` need ``reseal()``; build the guard 
 broadcast the parameters. Parameters changed during forward or backward (an embedding's
 ``max_norm``, an optimizer stepping inside backward) cannot be checked at rest.
 
+Device ledger (``ledger="runs/job"`` or an ``abft.Ledger``): every alarmed step is a strike
+against the device of each rank that alarmed, kept in the job folder across runs (weight 1 when a
+rerun came back clean, 2 unconfirmed, 3 persistent); a device whose strikes reach the ledger's
+limit within its window is quarantined and every rank halts with ``GuardHalt`` code 44
+(``abft.ledger.QUARANTINE_EXIT``: do not requeue on that device), as does a guard started later
+on a quarantined device. Every rank must pass the same ``ledger`` setting.
+
 Sampling: ``every=N`` checks one step in N (the others run with abft disabled); after an alarm or
 an anomaly (non-finite loss, a loss above ``spike`` x the running median) every step is checked
 for ``escalate`` steps. The tracker (JSONL, ``{rank}`` in the path) gets one line per checked
@@ -65,7 +72,8 @@ def _dist():
 
 class StepGuard:
     def __init__(self, optimizer, *, decision="rerun", on_persistent="halt", every=1, escalate=10,
-                 spike=3.0, tracker=None, exit_code=43, device=None, rest=False, names=None):
+                 spike=3.0, tracker=None, exit_code=43, device=None, rest=False, names=None,
+                 ledger=None):
         if decision not in DECISIONS:
             raise ValueError(f"StepGuard: decision must be one of {DECISIONS}, got {decision!r}")
         if on_persistent not in ("halt", "skip"):
@@ -88,6 +96,15 @@ class StepGuard:
             from abft.rest import RestCheck
             self.rest = rest if isinstance(rest, RestCheck) else RestCheck(optimizer, names=names)
             self.rest.seal()
+        self.ledger = None
+        if ledger is not None:
+            from abft.ledger import Ledger, this_device
+            self.ledger = ledger if isinstance(ledger, Ledger) else Ledger(ledger)
+            self.where = this_device(device)
+            # a device quarantined by an earlier run: every rank stops before the first step
+            flags = self._reduce(int(self.ledger.state(*self.where)["quarantined"]))
+            if any(flags):
+                self._quarantine(flags, "already quarantined in the ledger")
 
     # ------------------------------------------------------------------ internals
     def _checks(self, s):
@@ -157,6 +174,34 @@ class StepGuard:
         return [{"module": a.module, "phase": a.phase, "op": a.op, "call_id": a.call_id,
                  "row": a.row, "col": a.col} for a in alarms]
 
+    def _strike(self, alarms, counts, persistence, check, anomaly):
+        """An alarmed step (on any rank): the ranks that alarmed record a strike against their
+        device; all ranks learn whether one is now quarantined and, if so, halt."""
+        if self.ledger is None:
+            return
+        quarantined = False
+        if alarms:
+            self.ledger.strike(*self.where, persistence=persistence, rank=current_rank(),
+                               step=self.step_index, alarms=self._where(alarms)[:4])
+            quarantined = self.ledger.judge(*self.where)["quarantined"]
+        flags = self._reduce(int(quarantined))
+        if any(flags):
+            self._quarantine(flags, "reached the strike limit", checked=check,
+                             alarms=self._where(alarms), alarm_counts=counts,
+                             persistence=persistence, anomaly=anomaly)
+
+    def _quarantine(self, flags, why, **kw):
+        from abft.ledger import QUARANTINE_EXIT
+        ranks = [r for r, f in enumerate(flags) if f]
+        rec = self._record(decision="quarantine", quarantined_ranks=ranks, **kw)
+        host, dev = self.where
+        me = rec["rank"] if len(flags) > 1 else 0
+        mine = f"this is rank {rec['rank']} on {host} ({dev}{', quarantined' if flags[me] else ''})"
+        msg = (f"abft StepGuard: quarantine at step {rec['step']}: the device of rank(s) {ranks} "
+               f"{why}; {mine}; exit {QUARANTINE_EXIT}: do not requeue on that device "
+               f"(`abft ledger {self.ledger.path}` shows the record)")
+        raise GuardHalt(QUARANTINE_EXIT, msg, rec)
+
     def _halt(self, rec):
         a = rec["alarms"][0] if rec["alarms"] else {}
         ranks = [r for r, n in enumerate(rec["alarm_counts"]) if n]
@@ -185,6 +230,7 @@ class StepGuard:
             if self.decision == "skip":
                 apply = False
             elif self.decision == "halt":
+                self._strike(alarms, counts, None, check, anomaly)
                 self._halt(self._record(checked=check, alarms=self._where(alarms),
                                         alarm_counts=counts, decision="halt", anomaly=anomaly))
             elif self.decision == "rerun":
@@ -197,11 +243,14 @@ class StepGuard:
                     loss = loss2
                 else:
                     alarms, counts = alarms + alarms2, [a + b for a, b in zip(counts, counts2)]
+                    self._strike(alarms, counts, persistence, check, anomaly)
                     if self.on_persistent == "halt":
                         self._halt(self._record(checked=check, alarms=self._where(alarms),
                                                 alarm_counts=counts, decision="halt",
                                                 persistence=persistence, anomaly=anomaly))
                     apply, action = False, "skip"
+            if persistence != "persistent":          # (a persistent one was struck above)
+                self._strike(alarms, counts, persistence, check, anomaly)
         if check or total or anomaly:
             self._record(checked=check, alarms=self._where(alarms), alarm_counts=counts,
                          decision=action, persistence=persistence, applied=apply, anomaly=anomaly)
