@@ -11,11 +11,16 @@ dtype the product sees (autocast computes with a fresh low-precision copy of the
 at an address the allocator may hand out again: never a key), the device and the block width.
 Writes through ``.data`` do not bump the version: to the cache they look like corruption at rest.
 Call ``forget()`` after changing weights that way on purpose.
+
+Fused optimizers (``torch.optim.AdamW(fused=True)``, the Hugging Face Trainer's default) update
+the weights in place without bumping their versions either, so every torch optimizer's step drops
+the statistics of the parameters it holds (a global step hook, registered on import).
 """
 import threading
 import weakref
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 _lock = threading.Lock()
 _sources = {}        # id(param) -> weakref(param)
@@ -71,3 +76,15 @@ def forget():
 def size():
     with _lock:
         return len(_cache)
+
+
+def _after_optimizer_step(optimizer, args, kwargs):
+    """Drop the statistics of ``optimizer``'s parameters: it may have updated them without a
+    version bump (fused kernels)."""
+    ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    with _lock:
+        for k in ids & _cache.keys():
+            del _cache[k]
+
+
+register_optimizer_step_post_hook(_after_optimizer_step)

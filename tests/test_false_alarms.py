@@ -38,6 +38,25 @@ def test_autocast_weight_checksums_follow_the_parameter():
     assert abft.stats()["checked_calls"] == 20 * 2          # forward and grad_weight
 
 
+@pytest.mark.parametrize("kind", ["fused", "foreach", "for-loop"])
+def test_weight_checksums_follow_a_fused_optimizer(kind):
+    """torch's fused AdamW (the Hugging Face Trainer's default, torchtitan's too) updates the
+    weights without bumping their version counters: the kept weight checksums were the first
+    step's, and every forward after it alarmed on every row (found by the Trainer callback's
+    test: 30 alarms a step)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.ReLU(), torch.nn.Linear(32, 8))
+    abft.protect(model)
+    flags = {"fused": dict(fused=True), "foreach": dict(foreach=True), "for-loop": dict(foreach=False)}
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2, **flags[kind])
+    for step in range(4):
+        loss = model(torch.randn(8, 16)).square().mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        assert abft.flush() == [], f"step {step}"
+
+
 def test_autocast_weight_flip_at_rest_is_still_caught():
     """The cache now keys on the parameter: a bit flipped in it behind autograd's back (no version
     bump) shows in the next forward's row sums, under autocast too."""
