@@ -39,6 +39,7 @@ an anomaly (non-finite loss, a loss above ``spike`` x the running median) every 
 for ``escalate`` steps. The tracker (JSONL, ``{rank}`` in the path) gets one line per checked
 step with that context.
 """
+import contextlib
 import json
 import math
 import os
@@ -92,6 +93,7 @@ class StepGuard:
             self.tracker = open(path, "a", encoding="utf-8")
         self.resolve_s = self.reduce_s = 0.0
         self.rest, self._rest_left = None, []
+        self._open, self._check, self._applied = None, True, True
         if rest:
             from abft.rest import RestCheck
             self.rest = rest if isinstance(rest, RestCheck) else RestCheck(optimizer, names=names)
@@ -114,18 +116,31 @@ class StepGuard:
     def _params(self):
         return [p for g in self.opt.param_groups for p in g["params"]]
 
+    def _scope(self, check):
+        """The step's settings (every call's policy ``record``; abft off on an unsampled step)
+        and labels, as a context to close after ``_resolve``."""
+        stack = contextlib.ExitStack()
+        stack.enter_context(settings.config(policy="record",
+                                            enabled=check and settings.get().enabled))
+        stack.enter_context(scope(step=self.step_index))
+        return stack
+
+    def _resolve(self, check):
+        """This rank's alarms of the step, inside its scope (the config's exit would flush)."""
+        alarms = policy.flush() if check else []
+        if check and self.rest is not None and self.rest.sealed:
+            found = self.rest.verify()      # the state at rest, before the update reads it
+            self._rest_left = self.rest.restore(found)   # located ones back to their bits
+            alarms = alarms + found
+        return alarms
+
     def _run(self, closure, check):
         for p in self._params():
             p.grad = None
-        with settings.config(policy="record", enabled=check and settings.get().enabled), \
-                scope(step=self.step_index):
+        with self._scope(check):
             loss = closure()
-            t0 = time.perf_counter()      # resolve inside the config: its exit would flush
-            alarms = policy.flush() if check else []
-            if check and self.rest is not None and self.rest.sealed:
-                found = self.rest.verify()      # the state at rest, before the update reads it
-                self._rest_left = self.rest.restore(found)   # located ones back to their bits
-                alarms = alarms + found
+            t0 = time.perf_counter()
+            alarms = self._resolve(check)
             t1 = time.perf_counter()
         counts = self._reduce(len(alarms))
         self.resolve_s += t1 - t0
@@ -211,14 +226,11 @@ class StepGuard:
         raise GuardHalt(self.exit_code, msg, rec)
 
     # ------------------------------------------------------------------ the step
-    def step(self, closure):
-        """Run ``closure`` (forward + backward) under the guard, decide, maybe apply the update.
-        Returns the closure's result (the rerun's on a transient fault)."""
+    def _decide(self, check, loss, alarms, counts, rerun=None):
+        """Decide a step whose alarms are in; returns (loss, apply). ``rerun()`` replays the step
+        and returns what ``_run`` does; None in a loop the guard does not run, where ``rerun``
+        can only skip."""
         s = self.step_index
-        check = self._checks(s)
-        rng = torch.get_rng_state()
-        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
-        loss, alarms, counts = self._run(closure, check)
         anomaly = self._anomaly(loss)
         if anomaly:
             self.hot_until = s + self.escalate
@@ -227,17 +239,14 @@ class StepGuard:
         if total:
             self.hot_until = s + self.escalate
             action = self.decision
-            if self.decision == "skip":
-                apply = False
+            if self.decision == "skip" or (self.decision == "rerun" and rerun is None):
+                apply, action = False, "skip"
             elif self.decision == "halt":
                 self._strike(alarms, counts, None, check, anomaly)
                 self._halt(self._record(checked=check, alarms=self._where(alarms),
                                         alarm_counts=counts, decision="halt", anomaly=anomaly))
             elif self.decision == "rerun":
-                torch.set_rng_state(rng)
-                if cuda_rng is not None:
-                    torch.cuda.set_rng_state_all(cuda_rng)
-                loss2, alarms2, counts2 = self._run(closure, True)
+                loss2, alarms2, counts2 = rerun()
                 persistence = "persistent" if sum(counts2) else "transient"
                 if persistence == "transient":
                     loss = loss2
@@ -254,18 +263,70 @@ class StepGuard:
         if check or total or anomaly:
             self._record(checked=check, alarms=self._where(alarms), alarm_counts=counts,
                          decision=action, persistence=persistence, applied=apply, anomaly=anomaly)
-        if apply:
-            self.opt.step()
+        return loss, apply
+
+    def _advance(self, applied):
         self.step_index += 1
         if self.rest is not None:      # seal for the next step, if it is checked
-            if self._rest_left and not apply:
+            if self._rest_left and not applied:
                 pass                   # not restored, not updated: keep it in view
             elif self._checks(self.step_index):
                 self.rest.seal()
             else:
                 self.rest.sealed = {}
             self._rest_left = []
+
+    def step(self, closure):
+        """Run ``closure`` (forward + backward) under the guard, decide, maybe apply the update.
+        Returns the closure's result (the rerun's on a transient fault)."""
+        check = self._checks(self.step_index)
+        rng = torch.get_rng_state()
+        cuda_rng = torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None
+        loss, alarms, counts = self._run(closure, check)
+
+        def rerun():
+            torch.set_rng_state(rng)
+            if cuda_rng is not None:
+                torch.cuda.set_rng_state_all(cuda_rng)
+            return self._run(closure, True)
+        loss, apply = self._decide(check, loss, alarms, counts, rerun)
+        if apply:
+            self.opt.step()
+        self._advance(apply)
         return loss
+
+    # ------------------------------------------------ a loop the guard does not run
+    def begin(self):
+        """Open a step of someone else's loop (the Hugging Face Trainer's: ``abft.hf``): the
+        step's settings and labels, for its forward and backward passes."""
+        if self._open is not None:
+            raise RuntimeError("StepGuard.begin: the previous step was not ended")
+        self._check = self._checks(self.step_index)
+        self._open = self._scope(self._check)
+
+    def end(self, loss=None):
+        """Close the step before its optimizer update: resolve, agree across ranks, decide.
+        Returns True to apply the update, False to skip it (``skip``, and ``rerun``, which
+        cannot replay a loop it does not run); ``halt`` raises ``GuardHalt``. Call
+        ``after_update()`` once the update is applied or skipped."""
+        if self._open is None:
+            raise RuntimeError("StepGuard.end: no step begun")
+        t0 = time.perf_counter()
+        try:
+            alarms = self._resolve(self._check)
+        finally:
+            self._open.close()
+            self._open = None
+        t1 = time.perf_counter()
+        counts = self._reduce(len(alarms))
+        self.resolve_s += t1 - t0
+        self.reduce_s += time.perf_counter() - t1
+        _, self._applied = self._decide(self._check, loss, alarms, counts)
+        return self._applied
+
+    def after_update(self):
+        """The step is over (its update applied or skipped): count it, seal the state at rest."""
+        self._advance(self._applied)
 
     def reseal(self):
         """Take the state-at-rest fingerprints again: call it after changing parameters or
