@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from abft import autograd, coverage, ops
+from abft import attention, autograd, coverage, ops
 
 _local = threading.local()
 
@@ -89,7 +89,8 @@ def einsum(eq, a, b, module=None):
 
 def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
          enable_gqa=False, module=None):
-    """``F.scaled_dot_product_attention`` as its math decomposition, both products checked."""
+    """``F.scaled_dot_product_attention`` as its math decomposition, both products checked and the
+    softmax between them by its invariants (``abft/attention.py``)."""
     if enable_gqa and key.shape[-3] != query.shape[-3]:
         rep = query.shape[-3] // key.shape[-3]
         key, value = key.repeat_interleave(rep, -3), value.repeat_interleave(rep, -3)
@@ -102,7 +103,7 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     if attn_mask is not None:
         scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool \
             else scores + attn_mask
-    p = torch.softmax(scores, -1)
+    p = attention.softmax(scores, module)          # rows summing to 1, forward and backward
     if dropout_p > 0:
         p = F.dropout(p, dropout_p)
     return autograd.matmul(p, value, module=module)
