@@ -50,6 +50,9 @@ micro_steps = 2
 lr = 0.005
 pretrain_steps = 200
 steps = 30
+rest = true               # the detectors beyond the GEMMs (README, "Coverage by fault site"):
+recompute = 1.0           # the state-at-rest check, the recompute of norms, activations and
+comm = true               # softmax, the checksummed all-reduce of the gradients
 
 [[profiles]]
 name = "healthy"
