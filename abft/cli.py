@@ -91,13 +91,13 @@ def _ledger(args):
                                  f"({', '.join(h + ':' + d for h, d in ledger.devices()) or 'none'}), "
                                  f"got {args.release!r}")
             ledger.release(host, dev, note=args.note or "")
+        if args.json:
+            print(json.dumps([ledger.state(h, d) for h, d in ledger.devices()], indent=1))
+        else:
+            table(ledger)
     except ValueError as e:
         print(f"abft ledger: {e}", file=sys.stderr)
         return 2
-    if args.json:
-        print(json.dumps([ledger.state(h, d) for h, d in ledger.devices()], indent=1))
-    else:
-        table(ledger)
     return 0
 
 

@@ -59,8 +59,9 @@ class Ledger:
             os.fsync(out.fileno())
 
     def records(self, host=None, device=None):
-        """Every record (dicts, oldest first), of one device or all; a torn last line (a crash
-        mid-write) is skipped."""
+        """Every record (dicts, oldest first), of one device or all. A torn last line (a crash
+        mid-write: no newline) is skipped; any other line that is not a record raises
+        ``ValueError`` naming the file and line (a ledger is evidence: not read past damage)."""
         folder = os.path.join(self.path, "ledger")
         if host is not None:
             files = [self._file(host, device)]
@@ -72,13 +73,17 @@ class Ledger:
         for f in files:
             if not os.path.exists(f):
                 continue
-            with open(f, encoding="utf-8") as src:
-                for line in src:
-                    try:
-                        out.append(json.loads(line))
-                    except json.JSONDecodeError:
-                        continue
-        return sorted(out, key=lambda r: r.get("time", 0))
+            with open(f, encoding="utf-8", errors="replace") as src:
+                lines = src.read().split("\n")
+            torn = lines.pop()                  # "" after the last newline, else a torn write
+            for n, line in enumerate(lines, 1):
+                out.append(_record(line, f, n))
+            if torn:
+                try:
+                    out.append(_record(torn, f, len(lines) + 1))
+                except ValueError:
+                    pass
+        return sorted(out, key=lambda r: r["time"])
 
     def strike(self, host, device, *, persistence=None, **info):
         """Record an alarmed step against the device; returns the record (with its weight)."""
@@ -133,6 +138,23 @@ class Ledger:
             if key not in seen:
                 seen.append(key)
         return seen
+
+
+_NEEDS = {"strike": ("weight",), "quarantine": (), "release": ()}
+
+
+def _record(line, path, n):
+    """One ledger line as a dict, or ValueError naming the file and line."""
+    try:
+        r = json.loads(line)
+    except json.JSONDecodeError:
+        r = None
+    if not isinstance(r, dict) or r.get("event") not in _NEEDS or \
+            not all(k in r for k in ("time", "host", "device", *_NEEDS[r["event"]])) or \
+            not isinstance(r["time"], (int, float)):
+        raise ValueError(f"abft.Ledger: {path}:{n}: not a ledger record (a damaged ledger: move the "
+                         f"file aside after reading it)")
+    return r
 
 
 def this_device(device=None):

@@ -42,6 +42,41 @@ def test_a_torn_last_line_is_skipped(tmp_path):
     assert lg.state("h", "cpu:0")["strikes"] == 1
 
 
+@pytest.mark.parametrize("line", ['{"time": 1, "event": "str\n', "garbage\n",
+                                  '{"time": 1, "event": "strike", "host": "h"}\n',
+                                  '{"time": "x", "event": "release", "host": "h", "device": "d"}\n'])
+def test_a_damaged_ledger_is_refused_naming_the_file_and_line(tmp_path, capsys, line):
+    lg = Ledger(tmp_path)
+    lg.strike("h", "cpu:0")
+    with open(lg._file("h", "cpu:0"), "a") as f:
+        f.write(line)
+    lg.strike("h", "cpu:0")                   # damage in the middle, not a torn end
+    with pytest.raises(ValueError, match=r"h__cpu_0\.jsonl:2: not a ledger record"):
+        lg.state("h", "cpu:0")
+    assert cli.main(["ledger", str(tmp_path)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "jsonl:2" in err
+
+
+def _append_many(path, n, tag):
+    lg = Ledger(path)
+    for i in range(n):
+        lg.strike("h", "cpu:0", writer=tag, i=i)
+
+
+def test_concurrent_writers_leave_every_record_whole(tmp_path):
+    """Two processes on one device file (a restart racing a dying rank): appends stay whole."""
+    ctx = mp.get_context("spawn")
+    procs = [ctx.Process(target=_append_many, args=(str(tmp_path), 200, t)) for t in ("a", "b")]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    recs = Ledger(tmp_path).records("h", "cpu:0")
+    assert sorted((r["writer"], r["i"]) for r in recs) == \
+        sorted((t, i) for t in ("a", "b") for i in range(200))
+
+
 @pytest.mark.parametrize("kw, field", [(dict(strikes=0), "strikes"), (dict(strikes=True), "strikes"),
                                        (dict(window_hours=0), "window_hours"),
                                        (dict(window_hours="1"), "window_hours")])
