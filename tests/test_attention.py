@@ -130,3 +130,11 @@ def test_the_sdpa_decomposition_gradients_equal_torchs_softmax_path():
     assert torch.allclose(out, ref, atol=1e-6)
     assert all(torch.allclose(a.grad, b, atol=1e-6) for a, b in zip((q, k, v), grads))
     assert abft.flush() == []
+
+
+def test_the_cost_bench_runs(capsys):
+    from abft.eval import attnbench
+    assert attnbench.main(["--shapes", "1x2x16x8", "--reps", "3", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert out.splitlines()[-1].startswith("| 1x2x16x8 |") and out.splitlines()[-1].count("(") == 2
+    assert abft.flush() == []
