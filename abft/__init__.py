@@ -22,6 +22,7 @@ from abft.rest import RestCheck
 from abft.recompute import RecomputeCheck
 from abft.comm import CommCheck
 from abft.ledger import Ledger
+from abft.carry import OutputCheck
 from abft import coverage as _coverage
 from abft import policy as _policy
 from abft.alarms import default_log as _default_log
@@ -77,6 +78,6 @@ def reset():
     _coverage.reset()
 
 
-__all__ = ["StepGuard", "GuardHalt", "RestCheck", "RecomputeCheck", "CommCheck", "Ledger", "matmul", "mm", "bmm", "addmm", "baddbmm", "linear", "scope", "config", "inject",
+__all__ = ["StepGuard", "GuardHalt", "RestCheck", "RecomputeCheck", "CommCheck", "Ledger", "OutputCheck", "matmul", "mm", "bmm", "addmm", "baddbmm", "linear", "scope", "config", "inject",
            "flush", "alarms", "stats", "margin", "coverage", "reset", "protect", "unprotect", "checked", "nn", "Alarm", "AlarmLog", "SilentCorruptionError",
            "__version__"]

@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 from torch.library import custom_op
 
-from abft import decompose, dtensor, ops, weightcache
+from abft import carry, decompose, dtensor, ops, weightcache
 from abft.decompose import rows2d
 from abft.kernels.reference import weight_stats
 
@@ -37,7 +37,10 @@ def _(a, b, kind, op, phase, module):
 
 
 def _g(kind, a, b, op, phase, module):
-    return dtensor.located(torch.ops.abft.grad_product, a, b, kind, op, phase, module)
+    out = dtensor.located(torch.ops.abft.grad_product, a, b, kind, op, phase, module)
+    if carry._checks:                  # an OutputCheck is on: verified at its death
+        carry.record(out, module or None, op, phase)
+    return out
 
 
 # -- linear ------------------------------------------------------------------------------------
@@ -319,8 +322,13 @@ def _call(fn, device_type, tensors, *rest):
     tensors, cast = _autocast(device_type, *tensors)
     if cast:
         with torch.autocast(device_type, enabled=False):
-            return dtensor.located(fn, *tensors, *rest)
-    return dtensor.located(fn, *tensors, *rest)
+            out = dtensor.located(fn, *tensors, *rest)
+    else:
+        out = dtensor.located(fn, *tensors, *rest)
+    if carry._checks:                  # an OutputCheck is on: the output is verified at its death
+        module = next((r for r in rest if isinstance(r, str)), "")
+        carry.record(out, module or None, fn._qualified_op_name.split("::")[-1])
+    return out
 
 
 def matmul(a, b, *, module=None):

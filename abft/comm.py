@@ -63,7 +63,8 @@ def block_sums(x, block):
             v = torch.cat([v, v.new_zeros((b1 - b0) * block - v.numel())])
         v = v.view(-1, block)
         out[b0:b1, 0] = v.sum(1)
-        out[b0:b1, 1:3] = v @ w
+        with torch._C.DisableTorchFunction():        # under abft.checked: not a product to check
+            out[b0:b1, 1:3] = v @ w
         out[b0:b1, 3] = v.abs().sum(1)
     return out
 

@@ -37,6 +37,14 @@ _queue_bytes = 0
 _stats = collections.Counter()
 _reported = []          # alarms resolved or found outside a flush(), returned by the next one
 _margins = {}                 # (op, module) -> [worst clean ratio, its phase, clean calls]
+_before_flush = []            # detectors' deferred work, done first by every flush()
+
+
+def before_flush(fn):
+    """Have every ``flush()`` call ``fn()`` first (a detector that defers its checks to a safe
+    point: ``abft.carry``)."""
+    if fn not in _before_flush:
+        _before_flush.append(fn)
 
 
 def summarize(verdict):
@@ -150,6 +158,8 @@ def report(alarms, log):
 def flush():
     """Resolve every queued verdict; returns the new alarms (and those ``report``ed since)."""
     global _queue_bytes
+    for fn in list(_before_flush):
+        fn()
     with _lock:
         items = list(_queue)
         _queue.clear()

@@ -52,7 +52,8 @@ pretrain_steps = 200
 steps = 30
 rest = true               # the detectors beyond the GEMMs (README, "Coverage by fault site"):
 recompute = 1.0           # the state-at-rest check, the recompute of norms, activations and
-comm = true               # softmax, the checksummed all-reduce of the gradients
+comm = true               # softmax, the checksummed all-reduce of the gradients,
+carry = true              # GEMM outputs verified until they die
 
 [[profiles]]
 name = "healthy"

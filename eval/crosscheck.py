@@ -63,7 +63,9 @@ def _cause(ev):
 
 
 def _expected_phase(ev):
-    return ev["phase"] if ev["site"] == "gemm_accumulator" else "forward"
+    """The phase an alarm names: the corrupted product's for the accumulator and for an output
+    carried to its death (a backward product's output is alarmed in that phase)."""
+    return ev["phase"] if ev["site"] in ("gemm_accumulator", "gemm_output") else "forward"
 
 
 def _places(ev):
@@ -81,7 +83,7 @@ def _located(ev, alarm, mismatches):
     if ev["pattern"] != "element" or alarm["row"] is None or not ev["applied"]:
         return None
     rec = ev["applied"][0]
-    if alarm.get("kind") in ("rest", "recompute", "comm"):     # these name the element itself
+    if alarm.get("kind") in ("rest", "recompute", "comm", "carry"):   # these name the element
         return (alarm["row"], alarm["col"]) == (rec.get("row"), rec.get("col"))
     if ev["site"] == "weight_memory":       # W[o, i] wrong: column o of every row is off, and
         return None if alarm["col"] is None else alarm["col"] == rec["row"]   # row sums fail

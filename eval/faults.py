@@ -546,12 +546,15 @@ class Armed:
             self.handles.append(mod.register_forward_pre_hook(self._operand, prepend=True))
         elif site == "gemm_operand":
             self.handles.append(mod.register_full_backward_pre_hook(self._grad_output, prepend=True))
-        elif site in ("gemm_output", "nongemm_op") and phase == "forward":
+        elif site == "gemm_output" and phase == "forward":
+            self.handles.append(mod.register_forward_hook(self._output_in_place, prepend=True))
+        elif site == "nongemm_op":
             self.handles.append(mod.register_forward_hook(self._output, prepend=True))
         elif site == "gemm_output" and phase in ("grad_input", "grad_a"):
-            self.handles.append(mod.register_full_backward_hook(self._grad_input, prepend=True))
+            self.handles.append(mod.register_full_backward_hook(self._grad_input_in_place,
+                                                                prepend=True))
         elif site == "gemm_output":
-            self.handles.append(params[ev.param].register_hook(lambda g: corrupt(ev, g.clone())))
+            self.handles.append(params[ev.param].register_hook(self._in_place))
         elif site == "weight_memory":
             corrupt(ev, params[ev.param].data)
         elif site == "optimizer_state":
@@ -594,10 +597,18 @@ class Armed:
     def _output(self, mod, args, out):
         return _Replace.apply(out, lambda x: corrupt(self.ev, x))
 
-    def _grad_input(self, mod, grad_input, grad_output):
-        if grad_input[0] is None:
-            return None
-        return (corrupt(self.ev, grad_input[0].clone()),) + tuple(grad_input[1:])
+    def _output_in_place(self, mod, args, out):
+        """A GEMM's stored output changed after its check, in memory (no version bump): every
+        reader sees it, as with a flip in HBM."""
+        corrupt(self.ev, out.data)
+
+    def _grad_input_in_place(self, mod, grad_input, grad_output):
+        """A GEMM's stored gradient output changed after its check (as ``_output_in_place``)."""
+        if grad_input[0] is not None:
+            corrupt(self.ev, grad_input[0].data)
+
+    def _in_place(self, g):
+        corrupt(self.ev, g.data)
 
     def grads(self, params):
         """The ``gradient_comm`` corruption, after backward."""

@@ -65,13 +65,18 @@ def detector_step_pair(factory, detector):
     (``RecomputeCheck`` at rate 1, the most it costs); ``comm``: the gradients all-reduced as
     one bucket over a one-rank gloo group, plain in both, with ``CommCheck``'s checksums in one
     (the collective itself is a copy here: the figure is the checksums' compute, not the
-    0.8% more bytes on a real link)."""
+    0.8% more bytes on a real link); ``carry``: both protected and checked (the products'
+    outputs are what it carries), one under ``OutputCheck``."""
     import copy
     import abft
     import torch.distributed as dist
+    import contextlib
     model, inputs = factory()
     twin = copy.deepcopy(model)
     group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1) if detector == "comm" else None
+    if detector == "carry":
+        abft.protect(model)
+        abft.protect(twin)
 
     def plain_all_reduce(params):
         params = [p for p in params if p.grad is not None]
@@ -89,10 +94,14 @@ def detector_step_pair(factory, detector):
             abft.RecomputeCheck(m, rate=1.0)
         cc = abft.CommCheck(m) if on and detector == "comm" else None
 
+        checked = (lambda: abft.checked(m)) if detector == "carry" else contextlib.nullcontext
+        carried = abft.OutputCheck if on and detector == "carry" else contextlib.nullcontext
+
         def run():
-            loss = m(*inputs)
-            opt.zero_grad(set_to_none=True)
-            loss.backward()
+            with checked(), carried():
+                loss = m(*inputs)
+                opt.zero_grad(set_to_none=True)
+                loss.backward()
             if cc is not None:
                 cc.all_reduce_grads(m.parameters(), group, average=False)
             elif group is not None:
@@ -160,11 +169,12 @@ def add_arguments(ap):
     ap.add_argument("--model", default=None,
                     help="package.module:factory returning (model, inputs) with model(*inputs) a "
                          "loss: time one training step plain vs protected")
-    ap.add_argument("--detector", default="gemm", choices=["gemm", "rest", "recompute", "comm"],
+    ap.add_argument("--detector", default="gemm", choices=["gemm", "rest", "recompute", "comm", "carry"],
                     help="with --model: the checked GEMMs (protect + checked, SGD), the "
                          "state-at-rest check (AdamW, seal and verify every step), the "
-                         "recompute of the non-GEMM modules (AdamW, rate 1) or the checksummed "
-                         "gradient all-reduce (AdamW, one-rank gloo group)")
+                         "recompute of the non-GEMM modules (AdamW, rate 1), the checksummed "
+                         "gradient all-reduce (AdamW, one-rank gloo group) or the products' "
+                         "outputs carried to their death (both arms checked)")
 
 
 GPU_SHAPES = "4096x4096x4096,8192x8192x8192,linear:16384x4096x4096,linear:16384x4096x14336"

@@ -13,6 +13,7 @@ Two ways to pair:
   starts ``2 x pairs`` ranks on this machine (gloo), ``torchrun`` works too (``abft eval``
   notices the environment); several pairs run different trials at once.
 """
+import contextlib
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -44,10 +45,11 @@ class TrainConfig:
     rest: bool = False       # abft.RestCheck on both replicas: the state-at-rest detector
     recompute: float = 0.0   # > 0: abft.RecomputeCheck at this rate (non-GEMM modules)
     comm: bool = False       # gradients through a checksummed all-reduce (abft.CommCheck)
+    carry: bool = False      # GEMM outputs verified until they die (abft.OutputCheck)
 
     def validate(self, where="train"):
         for k, v in asdict(self).items():
-            if k in ("rest", "comm"):
+            if k in ("rest", "comm", "carry"):
                 if not isinstance(v, bool):
                     raise ValueError(f"{where}.{k}: true or false, got {v!r}")
                 continue
@@ -149,6 +151,7 @@ class Replica:
         self.sync = sync.attach(self.model)
         self.losses, self.dev, self.div = [], [], []
         self.comm = GradLink(self.model) if cfg.comm else None
+        self.carry = abft.OutputCheck if cfg.carry else contextlib.nullcontext
         self.rest = None
         if cfg.rest:
             self.rest = abft.RestCheck(self.opt, names={p: n for n, p in self.params.items()})
@@ -163,7 +166,7 @@ class Replica:
                      if (e.micro_step == m or e.every_micro_step) and e.site != "gradient_comm"]
             try:
                 with abft.scope(step=s, micro_step=m, replica=self.role, log=self.log), \
-                        abft.checked(self.model):
+                        abft.checked(self.model), self.carry():
                     sync.active = True
                     loss = self.model(x, y) / len(micro)
                     sync.loss(loss)
