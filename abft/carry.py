@@ -71,8 +71,9 @@ def record(out, module, op, phase="forward"):
     """Fingerprint ``out``, a checked product's output (called by ``abft.autograd``)."""
     if not _checks or torch.compiler.is_compiling():
         return
-    if type(out) is not torch.Tensor or not out.is_floating_point() or out.numel() == 0:
-        return                                # DTensor shards, integer outputs: not carried
+    if type(out) is not torch.Tensor or not out.is_floating_point() or out.numel() == 0 \
+            or out.is_inference():
+        return              # DTensor shards, integer outputs, inference tensors (no versions)
     from abft.context import current
     drain()
     chk = _checks[-1]

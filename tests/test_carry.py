@@ -73,3 +73,11 @@ def test_off_records_nothing_and_bad_block_is_refused():
     assert carry.live() == (0, 0)
     with pytest.raises(ValueError, match="block"):
         abft.OutputCheck(block=0)
+
+
+def test_inference_mode_outputs_are_not_carried():
+    """Inference tensors keep no version counter: recording one would raise."""
+    m = _model()
+    with abft.OutputCheck() as chk, torch.inference_mode():
+        m(torch.randn(5, 8))
+    assert chk.recorded == 0 and abft.flush() == []
