@@ -25,15 +25,13 @@ DECISIONS = ("continue", "skip", "halt")
 class GuardCallback(TrainerCallback):
     """Args: ``decision`` (continue | skip | halt), ``checked`` (``abft.checked`` around each
     step's passes), ``sdpa`` (with it: attention through checked products), and any other
-    ``StepGuard`` keyword (``every``, ``ledger``, ``tracker``, ``exit_code``, ...)."""
+    ``StepGuard`` keyword (``every``, ``ledger``, ``tracker``, ``exit_code``, ``rest``: sealed
+    after each optimizer step in ``on_step_end``, verified before the next one)."""
 
     def __init__(self, *, decision="skip", checked=True, sdpa=False, **guard):
         if decision not in DECISIONS:
             raise ValueError(f"GuardCallback: decision must be one of {DECISIONS} (the Trainer "
                              f"cannot replay a step for rerun), got {decision!r}")
-        if guard.get("rest"):
-            raise ValueError("GuardCallback: rest is not supported (the Trainer's optimizer "
-                             "step runs outside the guard); use StepGuard in your own loop")
         self.decision, self.checked, self.sdpa, self.kw = decision, checked, sdpa, guard
         self.guard, self.mode, self.model = None, None, None
         self.alarms = self.skipped = 0
@@ -41,7 +39,10 @@ class GuardCallback(TrainerCallback):
     def on_train_begin(self, args, state, control, model=None, optimizer=None, **kw):
         abft.protect(model)
         self.model = model
-        self.guard = abft.StepGuard(optimizer, decision=self.decision, **self.kw)
+        kw = dict(self.kw)
+        if kw.get("rest") and "names" not in kw:          # alarms name the parameters
+            kw["names"] = {p: n for n, p in model.named_parameters()}
+        self.guard = abft.StepGuard(optimizer, decision=self.decision, **kw)
         self.guard.step_index = state.global_step
 
     def on_step_begin(self, args, state, control, **kw):
