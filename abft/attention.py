@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from abft import ops, policy
 from abft.kernels.threshold import UNIT, gamma
 
 F64 = torch.float64
@@ -60,7 +61,7 @@ def check_backward(p, dp, ds, rs):
     acc = _acc(ds)
     u, out, chk = _units(ds)
     s = p.shape[-1]
-    c = torch.linalg.vecdot(p.to(acc), dp.to(acc)) if p.dtype != acc else torch.linalg.vecdot(p, dp.to(acc))
+    c = torch.linalg.vecdot(p.to(acc), dp.to(acc))
     # max |dP|, so that sum |P dP| <= max|dP| sum P (amax and amin: 15x faster than aminmax here)
     big = torch.maximum(dp.amax(-1), -dp.amin(-1)).to(acc)
     total = ds.sum(-1, dtype=acc)
@@ -76,13 +77,12 @@ def check_backward(p, dp, ds, rs):
 
 def _report(bad, dev, bound, module, phase):
     """Alarms for the first rows of ``bad`` (at most 16; the count in labels)."""
-    from abft import policy, settings
     from abft.alarms import Alarm, SilentCorruptionError
     from abft.context import current, current_rank
     rows = bad.nonzero().tolist()
     if not rows:
         return []
-    pol = settings.get().policy
+    action = policy.action()
     sc = current()
     labels = sc.labels
     dev, bound = dev.detach().cpu(), bound.detach().cpu()
@@ -97,10 +97,10 @@ def _report(bad, dev, bound, module, phase):
             bm=1, bn=1, tile=(), batch=tuple(batch), row=row, col=None,
             residual=float(dev[tuple(idx)]), threshold=thr, backend="invariant",
             time=time.time(), kind="invariant",
-            action={"warn": "warned", "raise": "raised"}.get(pol, "recorded"),
+            action=action,
             labels={"rows": len(rows)}))
     policy.report(found, sc.log)
-    if pol == "raise":
+    if action == "raised":
         raise SilentCorruptionError(found[0])
     return found
 
@@ -113,7 +113,7 @@ class Softmax(torch.autograd.Function):
         p = torch.softmax(scores, -1)
         ctx.save_for_backward(p)
         ctx.module = module
-        if _enabled():
+        if ops._enabled():
             from abft.coverage import count
             bad, dev, bound, _ = check_forward(p)
             count("softmax", module, "checked")
@@ -125,7 +125,7 @@ class Softmax(torch.autograd.Function):
     def backward(ctx, dp):
         p, = ctx.saved_tensors
         ds = torch._softmax_backward_data(dp, p, -1, p.dtype)
-        if _enabled():
+        if ops._enabled():
             bad, dev, bound, rs = check_forward(p)            # P at rest since the forward
             if bool(bad.any()):
                 _report(bad, dev, torch.full_like(dev, bound), ctx.module, "saved")
@@ -133,11 +133,6 @@ class Softmax(torch.autograd.Function):
             if bool(bad.any()):
                 _report(bad, dev, bound, ctx.module, "backward")
         return ds, None
-
-
-def _enabled():
-    from abft import settings
-    return settings.get().enabled
 
 
 def softmax(scores, module=None):

@@ -33,18 +33,13 @@ import time
 import torch
 import torch.distributed as dist
 
+from abft import ops, policy
 from abft.kernels.threshold import UNIT, gamma
+from abft.rest import _f, _weights
 
 _CHUNK = 1 << 16          # elements per pass: float64 temporaries that stay in cache (4x faster
                           # here than passes of 2^22, whose fresh pages cost more than the sums)
 MAX_ALARMS = 16           # alarms per collective; past that, one summary alarm
-
-
-def _weights(block, device):
-    """(block, 2) float64: the 1-based index k in the block and f(k) = k^2 mod 4093 + 1 (distinct
-    for k < 2047, so two positions never share both weights)."""
-    k = torch.arange(1, block + 1, dtype=torch.int64, device=device)
-    return torch.stack([k, k * k % 4093 + 1], 1).to(torch.float64)
 
 
 def block_sums(x, block):
@@ -54,7 +49,7 @@ def block_sums(x, block):
     flat = x.detach().reshape(-1)
     nb = -(-flat.numel() // block)
     out = torch.empty(nb, 4, dtype=torch.float64, device=flat.device)
-    w = _weights(block, flat.device)
+    w = _weights(block, flat.device)[:, 1:]        # RestCheck's k and f(k), kept per block size
     per = max(1, _CHUNK // block)
     for b0 in range(0, nb, per):
         b1 = min(nb, b0 + per)
@@ -95,7 +90,7 @@ def compare(out, sums, *, ranks, average, block):
     unverified = ~torch.isfinite(a) | (~torch.isfinite(got[:, 0]) & (a >= torch.finfo(out.dtype).max))
     bad = ~unverified & ~(res.abs() <= bound)            # a NaN residual fails
     k = (d[:, 1] / res).round().clamp(0, block + 1)
-    fk = k * k % 4093 + 1
+    fk = _f(k)
     located = bad & torch.isfinite(res) & (k >= 1) & (k <= block) \
         & ((d[:, 1] - k * res).abs() < 0.5 * res.abs()) & ((d[:, 2] - fk * res).abs() < 0.5 * res.abs())
     index = torch.where(located, k - 1, torch.full_like(k, -1.0)).to(torch.int64)
@@ -147,8 +142,7 @@ class CommCheck:
         if kind == "all_reduce":
             dist.all_reduce(out, op=op, group=group)
         else:
-            rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-            rs(out, inp, op=op, group=group)
+            _reduce_scatter(out, inp, op=op, group=group)
 
     # -- public collectives --
 
@@ -156,7 +150,7 @@ class CommCheck:
         """All-reduce ``tensor`` in place with checksums; returns the alarms. ``spans``: list of
         (offset, numel, name, shape) naming the parameters laid out in ``tensor``."""
         kind, ranks = _op_kind(op), _size(group)
-        if not _enabled():               # abft.config(enabled=False), the guard's unsampled steps
+        if not ops._enabled():           # abft.config(enabled=False), the guard's unsampled steps
             self.communicate("all_reduce", tensor, None, group, op)
             return []
         if kind is None or tensor.dtype not in UNIT:
@@ -173,7 +167,7 @@ class CommCheck:
         """Reduce-scatter ``input`` (this rank's full buffer, ranks x output's size) into
         ``output`` with checksums; returns the alarms. ``spans`` name ``output``'s layout."""
         kind, ranks = _op_kind(op), _size(group)
-        if not _enabled():
+        if not ops._enabled():
             self.communicate("reduce_scatter", output, input, group, op)
             return []
         if kind is None or output.dtype not in UNIT or input.numel() != ranks * output.numel():
@@ -183,8 +177,7 @@ class CommCheck:
         parts = torch.stack([block_sums(c, self.block) for c in input.reshape(ranks, -1)])
         self.seconds += time.perf_counter() - t0
         sums = torch.empty_like(parts[0])
-        rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-        rs(sums.view(-1), parts.view(-1), group=group)
+        _reduce_scatter(sums.view(-1), parts.view(-1), group=group)
         self.communicate("reduce_scatter", output, input, group, op)
         return self._verify("reduce_scatter", output, sums, ranks, kind == "avg", spans)
 
@@ -262,7 +255,6 @@ class CommCheck:
         return []
 
     def _verify(self, op, out, sums, ranks, average, spans):
-        from abft import policy
         from abft.context import current
         from abft.coverage import count
         t0 = time.perf_counter()
@@ -291,7 +283,7 @@ class CommCheck:
                 found.append(a)
             policy.report(found, sc.log)
         self.seconds += time.perf_counter() - t0
-        if found and _policy_name() == "raise":
+        if found and policy.action() == "raised":
             from abft.alarms import SilentCorruptionError
             raise SilentCorruptionError(found[0])
         return found
@@ -311,7 +303,6 @@ class CommCheck:
         row = col = None
         if index is not None:
             row, col = divmod(index, shape[-1]) if len(shape) >= 2 else (0, index)
-        pol = _policy_name()
         return Alarm(
             op=op, phase="grad", module=name, step=labels.get("step"),
             micro_step=labels.get("micro_step"), replica=labels.get("replica"),
@@ -319,19 +310,15 @@ class CommCheck:
             dtype=str(out.dtype).replace("torch.", ""), bm=self.block, bn=1, tile=(block,),
             batch=(), row=row, col=col, residual=residual, threshold=bound, backend="comm",
             time=time.time(), kind="comm",
-            action={"warn": "warned", "raise": "raised"}.get(pol, "recorded"),
+            action=policy.action(),
             labels={"index": index, "offset": at if at is not None else first,
                     "ranks": ranks})
 
 
-def _policy_name():
-    from abft import settings
-    return settings.get().policy
-
-
-def _enabled():
-    from abft import settings
-    return settings.get().enabled
+def _reduce_scatter(out, inp, **kw):
+    """torch's single-tensor reduce-scatter (``reduce_scatter_tensor`` before 2.x renamed it)."""
+    rs = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    rs(out, inp, **kw)
 
 
 def _size(group):

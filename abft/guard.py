@@ -134,17 +134,26 @@ class StepGuard:
             alarms = alarms + found
         return alarms
 
-    def _run(self, closure, check):
-        for p in self._params():
-            p.grad = None
-        with self._scope(check):
-            loss = closure()
-            t0 = time.perf_counter()
+    def _finish(self, stack, check):
+        """Resolve the step's alarms inside its scope, close it, agree across ranks; returns
+        (this rank's alarms, every rank's count)."""
+        t0 = time.perf_counter()
+        try:
             alarms = self._resolve(check)
-            t1 = time.perf_counter()
+        finally:
+            stack.close()
+        t1 = time.perf_counter()
         counts = self._reduce(len(alarms))
         self.resolve_s += t1 - t0
         self.reduce_s += time.perf_counter() - t1
+        return alarms, counts
+
+    def _run(self, closure, check):
+        for p in self._params():
+            p.grad = None
+        with self._scope(check) as stack:
+            loss = closure()
+            alarms, counts = self._finish(stack, check)
         return loss, alarms, counts
 
     def _reduce(self, n):
@@ -311,16 +320,8 @@ class StepGuard:
         ``after_update()`` once the update is applied or skipped."""
         if self._open is None:
             raise RuntimeError("StepGuard.end: no step begun")
-        t0 = time.perf_counter()
-        try:
-            alarms = self._resolve(self._check)
-        finally:
-            self._open.close()
-            self._open = None
-        t1 = time.perf_counter()
-        counts = self._reduce(len(alarms))
-        self.resolve_s += t1 - t0
-        self.reduce_s += time.perf_counter() - t1
+        stack, self._open = self._open, None
+        alarms, counts = self._finish(stack, self._check)
         _, self._applied = self._decide(self._check, loss, alarms, counts)
         return self._applied
 

@@ -147,6 +147,13 @@ def enqueue(p):
             _reported.extend(early)
 
 
+def action(other="recorded"):
+    """What a detector outside the GEMMs does under the current policy: ``recorded``,
+    ``warned``, ``raised``; ``other`` for recompute and correct (its own remedy, or none)."""
+    return {"record": "recorded", "warn": "warned", "raise": "raised"}.get(_config.get().policy,
+                                                                            other)
+
+
 def report(alarms, log):
     """Emit the alarms of a detector outside the GEMMs (``abft.RecomputeCheck``) now; the next
     ``flush()`` returns them with the GEMMs' (so ``StepGuard`` counts them)."""

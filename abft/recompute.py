@@ -128,11 +128,10 @@ class RecomputeCheck:
         return self._alarm(mod, a, b, output)
 
     def _alarm(self, mod, a, b, output):
-        from abft import policy, settings
+        from abft import policy
         from abft.alarms import Alarm, SilentCorruptionError
         from abft.context import current, current_rank
-        pol = settings.get().policy
-        action = {"record": "recorded", "warn": "warned", "raise": "raised"}.get(pol, "corrected")
+        action = policy.action("corrected")
         sc = current()
         labels = sc.labels
         row = col = None
@@ -159,7 +158,7 @@ class RecomputeCheck:
             backend="recompute", time=time.time(), kind="recompute", action=action,
             labels={"elements": diff})
         policy.report([alarm], sc.log)
-        if pol == "raise":
+        if action == "raised":
             raise SilentCorruptionError(alarm)
         if action == "corrected":           # the rerun's output, with the first one's autograd
             return _Replaced.apply(output, b) if output.requires_grad else b
