@@ -340,7 +340,11 @@ def _checked_gemm_kernel(
         norm_a = tl.max(tl.where(m_ok, tl.sqrt(r1_i) * pow2_tl(e_i), 0.0), 0)
         norm_b = tl.max(tl.where(nc_ok, tl.sqrt(r1_j) * pow2_tl(f_j), 0.0), 0)
         may_overflow = norm_a * norm_b >= big
-        status = tl.where(inputs_ok & thr_ok & acc_ok & scales_ok, _OK, _UNVERIFIED)
+        # the checksum rows (columns) are in their block's units: near float32's largest values
+        # their products with the other operand may overflow where the data's do not
+        pred_ok = (tl.min(tl.where(nc_ok, (tl.abs(p_c) < float("inf")).to(tl.int32), 1), 0)
+                   * tl.min(tl.where(m_ok, (tl.abs(p_r) < float("inf")).to(tl.int32), 1), 0)) > 0
+        status = tl.where(inputs_ok & thr_ok & acc_ok & scales_ok & pred_ok, _OK, _UNVERIFIED)
         status = tl.where(inputs_ok & (acc_ok == 0) & (may_overflow == 0), _NONFINITE, status)
         unverified = status == _UNVERIFIED
         rat_c = tl.where(unverified, 0.0, tl.where(nc_ok, res_c / thr_c, 0.0))

@@ -271,6 +271,10 @@ def test_power_of_two_invariance_stops_at_the_underflow_allowance():
     assert not all(torch.allclose(x.double(), y.double(), rtol=1e-6, atol=1e-30) for x, y in zip(d, d2))
 
 
+def _alarmed(v):
+    return (v[..., L.ROW_RATIO] > 1) | (v[..., L.COL_RATIO] > 1) | (v[..., L.STATUS] == L.NONFINITE)
+
+
 def _same_verdict(v, d, v2, d2, rtol):
     assert torch.equal(v[..., L.STATUS], v2[..., L.STATUS])
     for x, y in zip(d, d2):
@@ -309,4 +313,34 @@ def test_kernel_verdict_is_invariant_under_power_of_two_scaling(data, dtype):
     e = int(torch.log2(a2.abs().max() / a.abs().max()).round()) if a.abs().max() > 0 else 0
     e += int(torch.log2(b2.abs().max() / b.abs().max()).round()) if b.abs().max() > 0 else 0
     assume(torch.isfinite(c2).all() and torch.equal(c2, c * 2.0 ** e))
+    assert not _alarmed(v2).any()                     # clean products never alarm, at any scale
+    if _checksums_may_overflow(a2, b2, 32):
+        assume((v2[..., L.STATUS] == L.OK).all())
     _same_verdict(v, d, v2, d2, 1e-5)
+
+
+def _checksums_may_overflow(a, b, bm):
+    """The kernel's checksum rows (columns) are block sums in the block's own units (up to BM
+    times its largest element's power of two); their products with the other operand may
+    overflow float32 where the data's products do not. The kernel leaves such tiles unverified."""
+    k = a.shape[-1]
+    bound = torch.finfo(torch.float32).max / (4 * bm * k)
+    return bool(a.abs().max() >= bound or b.abs().max() >= bound)
+
+
+def test_kernel_checksums_near_float32s_largest_values_leave_the_tile_unverified():
+    """Hypothesis drew B scaled by 2^125 (A by 2^-30): the product is finite, the checksum
+    row's product with B overflowed and the tile alarmed (column ratio inf)."""
+    pytest.importorskip("triton")
+    from abft.kernels import configs
+    from abft.kernels import triton_gemm as TG
+    if not configs.interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1")
+    g = torch.Generator().manual_seed(0)
+    a = _p2(torch.randn(17, 23, generator=g, dtype=torch.float64).float(), -30)
+    b = _p2(torch.randn(23, 2, generator=g, dtype=torch.float64).float(), 125)
+    assert _checksums_may_overflow(a, b, 32)
+    c, v, _ = TG.checked_gemm(a, b, tiles=(32, 32))
+    assert torch.isfinite(c).all()
+    assert not _alarmed(v).any()
+    assert (v[..., L.STATUS] == L.UNVERIFIED).all()
