@@ -49,6 +49,11 @@ def _eval(args):
                 raise ValueError(f"--steps: a whole number >= 1, got {args.steps}")
             cfg["train"]["steps"] = args.steps
             campaign.validate(cfg)
+        if args.tp is not None:
+            from abft.eval.tp import check
+            check(cfg["train"]["heads"], cfg["train"]["dim"], args.tp, "--tp")
+            cfg["train"]["tp"] = args.tp
+            campaign.validate(cfg)
         if args.pairs < 0:
             raise ValueError(f"--pairs: a whole number >= 0, got {args.pairs}")
         campaign.run(cfg, args.out, resume=args.resume, pairs=args.pairs,
@@ -119,6 +124,8 @@ def main(argv=None):
     ev.add_argument("--pairs", type=int, default=0,
                     help="N > 0: N distributed replica pairs (2N gloo ranks on this machine)")
     ev.add_argument("--steps", type=int, help="override train.steps")
+    ev.add_argument("--tp", type=int, help="override train.tp: each replica a tensor-parallel "
+                    "group of N ranks (2N gloo ranks a pair)")
     ev.add_argument("--full", action="store_true", help="print the whole report")
     ev.add_argument("--quiet", action="store_true", help="no progress bar")
     rp = sub.add_parser("report", help="rebuild a run folder's report")

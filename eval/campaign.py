@@ -54,6 +54,7 @@ rest = true               # the detectors beyond the GEMMs (README, "Coverage by
 recompute = 1.0           # the state-at-rest check, the recompute of norms, activations and
 comm = true               # softmax, the checksummed all-reduce of the gradients,
 carry = true              # GEMM outputs verified until they die
+tp = 1                    # > 1: each replica a tensor-parallel group of tp ranks (--tp)
 
 [[profiles]]
 name = "healthy"
@@ -397,10 +398,19 @@ def run(cfg, out, resume=False, pairs=0, progress=True):
 
     ``pairs=0``: replica pairs in this process; ``pairs=N``: N distributed pairs (2N gloo ranks
     spawned on this machine, trials dealt round robin); under torchrun, the launched ranks.
+    With ``train.tp`` > 1 each replica is a tensor-parallel group: 2 x tp ranks a pair, at least
+    one pair.
     """
     if not whole(pairs) or pairs < 0:
         raise ValueError(f"--pairs: a whole number >= 0, got {pairs!r}")
+    tp = cfg["train"].get("tp", 1)
+    if tp > 1:
+        pairs = max(pairs, 1)
     if os.environ.get("WORLD_SIZE") and int(os.environ["WORLD_SIZE"]) > 1:
+        world = int(os.environ["WORLD_SIZE"])
+        if world % (2 * tp):
+            raise ValueError(f"torchrun: {world} ranks; replica pairs with train.tp = {tp} need a "
+                             f"multiple of {2 * tp}")
         _torchrun(cfg, out, resume)         # launched by torchrun: every rank runs this
         return read_trials(out)
     _folder(out)
@@ -415,7 +425,7 @@ def run(cfg, out, resume=False, pairs=0, progress=True):
         if todo and pairs:
             from abft.eval import replicas
             replicas.spawn_pairs(pairs, _DistRun(train, todo, out, cfg["threads"]),
-                                 threads=cfg["threads"])
+                                 threads=cfg["threads"], tp=tp)
         elif todo:
             with threads(cfg["threads"]):
                 bar = Progress(len(todo)) if progress else None
@@ -497,13 +507,14 @@ class _DistRun:
     def __call__(self, rank, link):
         import torch.distributed as dist
         from abft.eval.replicas import pair_of
-        pair, role, _ = pair_of(rank)
-        npairs = dist.get_world_size() // 2
+        tp = self.train.tp
+        pair, role, _ = pair_of(rank, tp)
+        npairs = dist.get_world_size() // (2 * tp)
         if rank == 0:
             pretrained(self.train, self.out, self.threads)     # made once, here or before
         dist.barrier()
         base = pretrained(self.train, self.out, self.threads)
-        # both ranks of a pair start from H's pretrained state, bit for bit
+        # both ranks of a twin link start from H's pretrained state, bit for bit
         for v in base.values():
             if role == "H":
                 link.send(v)
@@ -547,6 +558,6 @@ def _torchrun(cfg, out, resume):
             todo = [t for t in trials(cfg) if t["id"] not in done]
             if todo:
                 _DistRun(TrainConfig(**cfg["train"]), todo, out, cfg["threads"])(
-                    rank, make_link(rank, world))
+                    rank, make_link(rank, world, cfg["train"].get("tp", 1)))
     finally:
         dist.destroy_process_group()

@@ -184,10 +184,11 @@ def first_divergence(trial):
         return None
     m = trial["mismatches"][0]
     ev = next((e for e in trial.get("events") or () if e["step"] == m["step"]), None)
+    on = f" on TP rank {trial['fault_rank']}" if trial.get("tp", 1) > 1 else ""
     return {"step": m["step"], "micro_step": m["micro_step"], "point": m["point"],
-            "module": m["module"], "tensor": m["tensor"],
+            "module": m["module"], "tensor": m["tensor"], "tp_rank": m.get("tp_rank"),
             "cause": None if ev is None else f"{ev['site']} {ev['kind']} at {ev['module']}/"
-                                             f"{ev['phase']} (step {ev['step']})"}
+                                             f"{ev['phase']} (step {ev['step']}){on}"}
 
 
 def latency(start, hit, micro_steps):

@@ -55,14 +55,16 @@ class Attention(nn.Module):
         self.proj = nn.Linear(cfg.dim, cfg.dim)
         self.register_buffer("mask", torch.ones(cfg.block, cfg.block, dtype=torch.bool).tril(),
                              persistent=False)
+        self.tp_in = self.tp_out = None      # tensor parallel: eval/tp.py's collectives
 
     def forward(self, x):
-        b, t, d = x.shape
-        q, k, v = self.qkv(x).view(b, t, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
-        att = self.scores(q, k.transpose(-2, -1)) / math.sqrt(d // self.heads)
+        b, t, _ = x.shape
+        x = x if self.tp_in is None else self.tp_in(x)
+        q, k, v = self.qkv(x).view(b, t, 3, self.heads, -1).permute(2, 0, 3, 1, 4)
+        att = self.scores(q, k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
         att = self.softmax(att.masked_fill(~self.mask[:t, :t], float("-inf")))
-        y = self.context(att, v).transpose(1, 2).reshape(b, t, d)
-        return self.proj(y)
+        y = self.proj(self.context(att, v).transpose(1, 2).reshape(b, t, -1))
+        return y if self.tp_out is None else self.tp_out(y)
 
 
 class MLP(nn.Module):
@@ -71,9 +73,12 @@ class MLP(nn.Module):
         self.fc = nn.Linear(cfg.dim, cfg.mlp_ratio * cfg.dim)
         self.act = GELU()
         self.out = nn.Linear(cfg.mlp_ratio * cfg.dim, cfg.dim)
+        self.tp_in = self.tp_out = None      # tensor parallel: eval/tp.py's collectives
 
     def forward(self, x):
-        return self.out(self.act(self.fc(x)))
+        x = x if self.tp_in is None else self.tp_in(x)
+        y = self.out(self.act(self.fc(x)))
+        return y if self.tp_out is None else self.tp_out(y)
 
 
 class Block(nn.Module):

@@ -11,9 +11,14 @@ Two ways to pair:
 - two ranks of ``torch.distributed`` (``run_trial(..., link=DistLink(h_rank, group), role=...)``):
   each rank runs its replica and every sync point is a broadcast from H's rank. ``spawn_pairs``
   starts ``2 x pairs`` ranks on this machine (gloo), ``torchrun`` works too (``abft eval``
-  notices the environment); several pairs run different trials at once.
+  notices the environment); several pairs run different trials at once;
+- tensor parallel (``train.tp = N``, ``abft eval --tp N``): each replica is an N-rank TP group
+  (``eval/tp.py``), each H rank paired with F's rank of the same TP rank; sync points compare
+  local shards, at the submodules and at the TP collectives; the faults go to one rank of F's
+  group. ``2 x N`` ranks a pair.
 """
 import contextlib
+import math
 import os
 import time
 from dataclasses import asdict, dataclass
@@ -46,6 +51,7 @@ class TrainConfig:
     recompute: float = 0.0   # > 0: abft.RecomputeCheck at this rate (non-GEMM modules)
     comm: bool = False       # gradients through a checksummed all-reduce (abft.CommCheck)
     carry: bool = False      # GEMM outputs verified until they die (abft.OutputCheck)
+    tp: int = 1              # > 1: each replica a tensor-parallel group of this many ranks
 
     def validate(self, where="train"):
         for k, v in asdict(self).items():
@@ -66,6 +72,8 @@ class TrainConfig:
                 raise ValueError(f"{where}.{k}: a whole number >= {low}, got {v!r}")
         if self.dim % self.heads:
             raise ValueError(f"{where}.dim: a multiple of heads ({self.heads}), got {self.dim}")
+        from abft.eval.tp import check
+        check(self.heads, self.dim, self.tp, f"{where}.tp")
         if self.batch % self.micro_steps:
             raise ValueError(f"{where}.batch: a multiple of micro_steps ({self.micro_steps})")
         return self
@@ -137,10 +145,13 @@ class GradLink(abft.CommCheck):
 class Replica:
     """One replica: a protected model, its AdamW, its alarm log and its sync points."""
 
-    def __init__(self, role, cfg, base, sync):
+    def __init__(self, role, cfg, base, sync, tp=None):
         self.role, self.cfg = role, cfg
         self.model = cfg.model()
         self.model.load_state_dict(base)
+        if tp is not None:                 # this rank's shard of the pretrained model
+            from abft.eval.tp import shard
+            shard(self.model, tp.rank, tp.size, tp.group)
         abft.protect(self.model)
         # before the sync's hooks: the rerun is compared with the output the module produced
         self.recompute = abft.RecomputeCheck(self.model, rate=cfg.recompute) \
@@ -207,55 +218,96 @@ class Replica:
 
 def run_trial(trial, cfg, base, link=None, role=None):
     """Run one trial (a dict: id, profile (a Profile), mode, seed, modules); returns the trial
-    record on F's side (on H's side in distributed mode: None).
+    record on F's side (on H's side in distributed mode: None; under tensor parallelism, on F's
+    TP rank 0, None on the others).
 
-    ``link=None``: both replicas in this process. Otherwise ``role`` ("H" or "F") is this rank's.
+    ``link=None``: both replicas in this process. Otherwise ``role`` ("H" or "F") is this rank's;
+    a link with a ``tp`` (eval/tp.py's ``TP``) makes each replica a tensor-parallel group, this
+    rank its TP rank ``tp.rank``, paired with the other replica's rank of the same TP rank; the
+    trial's faults go to one rank of F's group (its ``fault_rank``).
     """
     prof, mode, seed = trial["profile"], trial["mode"], trial["seed"]
     local = link is None
     link = link or LocalLink()
+    tp = getattr(link, "tp", None)
     roles = ("H", "F") if local else (role,)
-    reps = {r: Replica(r, cfg, base, Sync(r, link, mode, trial.get("modules"))) for r in roles}
-    events = F.schedule(prof, cfg.steps, cfg.micro_steps, F.targets(reps[roles[0]].model),
-                        trial.get("fault_seed", seed))
+    reps = {r: Replica(r, cfg, base, Sync(r, link, mode, trial.get("modules")), tp)
+            for r in roles}
+    fseed = trial.get("fault_seed", seed)
+    events = F.schedule(prof, cfg.steps, cfg.micro_steps, F.targets(reps[roles[0]].model), fseed)
+    fault_rank = fseed % tp.size if tp is not None else 0
+    mine = events if tp is None or tp.rank == fault_rank else []
     t0 = time.perf_counter()
     curve = {r: [] for r in roles}
     with abft.config(policy="record", backend=trial.get("backend", "reference")):
         for s in range(cfg.steps):
             micro = batches(cfg, seed, s)
             for r in roles:
-                mine = batches(cfg, seed + 7919 * prof.reseed, s) if r == "F" and prof.reseed \
+                data = batches(cfg, seed + 7919 * prof.reseed, s) if r == "F" and prof.reseed \
                     else micro               # a reseeded healthy F: other data, the noise floor
-                reps[r].step(s, mine, [e for e in events if e.step == s] if r == "F" else ())
+                reps[r].step(s, data, [e for e in mine if e.step == s] if r == "F" else ())
                 if cfg.eval_every and (s + 1) % cfg.eval_every == 0:
                     curve[r].append([s + 1, reps[r].accuracy()])
             if local and link.queue:
                 raise RuntimeError("abft eval: the healthy replica passed sync points the faulty "
                                    "one did not")
     wall = time.perf_counter() - t0
+    acc = {r: reps[r].accuracy() for r in roles}      # collective under TP: every rank calls it
+    parts = {r: _gather(tp, reps[r], events, fault_rank) for r in roles}
+    if tp is not None and tp.rank != 0:
+        return None
     if "H" in reps:
-        h = reps["H"]
-        link.send_json({"loss": h.losses, "accuracy": h.accuracy(), "curve": curve["H"],
-                        "alarms": [_alarm(a) for a in h.log]})
+        h = parts["H"]
+        link.send_json({"loss": reps["H"].losses, "accuracy": acc["H"], "curve": curve["H"],
+                        "alarms": h["alarms"]})
     if "F" not in reps:
         return None
-    f = reps["F"]
+    f = parts["F"]
     hs = link.recv_json()
-    return {
+    rec = {
         "id": trial["id"], "profile": prof.name, "mode": mode, "seed": seed,
         "steps": cfg.steps, "micro_steps": cfg.micro_steps, "pairing": "local" if local else "dist",
-        "events": [e.to_dict() for e in events],
-        "mismatches": [m.to_dict() for m in f.sync.mismatches],
-        "alarms": [_alarm(a) for a in f.log], "alarms_healthy": hs["alarms"],
-        "loss_healthy": hs["loss"], "loss_faulty": f.losses,
-        "grad_deviation": f.dev, "param_divergence": f.div,
-        "accuracy_healthy": hs["accuracy"], "accuracy_faulty": f.accuracy(),
+        "events": f["events"],
+        "mismatches": f["mismatches"],
+        "alarms": f["alarms"], "alarms_healthy": hs["alarms"],
+        "loss_healthy": hs["loss"], "loss_faulty": reps["F"].losses,
+        "grad_deviation": f["dev"], "param_divergence": f["div"],
+        "accuracy_healthy": hs["accuracy"], "accuracy_faulty": acc["F"],
         "accuracy_curve_healthy": hs["curve"], "accuracy_curve_faulty": curve["F"],
         "reseeded": bool(prof.reseed),
         "wall_s": wall, "rank": int(os.environ.get("RANK", 0)),
-        "campaign": trial.get("campaign"), "fault_seed": trial.get("fault_seed", seed),
+        "campaign": trial.get("campaign"), "fault_seed": fseed,
         "env": environment(trial.get("backend", "reference")),
     }
+    if tp is not None:
+        rec.update(tp=tp.size, fault_rank=fault_rank)
+    return rec
+
+
+def _gather(tp, rep, events, fault_rank):
+    """A replica's alarms, mismatches, gradient deviations, parameter divergences and fault events
+    (with what they did); under TP, those of every rank of its group: alarms and mismatches
+    tagged with their ``tp_rank`` and merged in sync-point order, the deviations the worst rank's
+    at each step, the events as the fault rank applied them."""
+    mine = {"alarms": [_alarm(a) for a in rep.log],
+            "mismatches": [m.to_dict() for m in rep.sync.mismatches],
+            "dev": rep.dev, "div": rep.div, "events": [e.to_dict() for e in events]}
+    if tp is None:
+        return mine
+    from abft.eval.tp import gather
+    ranks = gather(tp, mine)
+    out = {"alarms": [], "mismatches": [], "events": ranks[fault_rank]["events"]}
+    for r, part in enumerate(ranks):
+        out["alarms"] += [a | {"tp_rank": r} for a in part["alarms"]]
+        out["mismatches"] += [m | {"tp_rank": r} for m in part["mismatches"]]
+    out["mismatches"].sort(key=lambda m: (m["seq"], m["tp_rank"]))
+    out["alarms"].sort(key=lambda a: (-1 if a["step"] is None else a["step"],
+                                      -1 if a["micro_step"] is None else a["micro_step"],
+                                      a["tp_rank"]))
+    for k in ("dev", "div"):
+        out[k] = [math.nan if any(x != x for x in xs) else max(xs)
+                  for xs in zip(*(p[k] for p in ranks))]
+    return out
 
 
 def environment(backend):
@@ -276,12 +328,15 @@ def _alarm(a):
 
 # ------------------------------------------------------------------ distributed pairs
 
-def pair_of(rank):
-    """(pair index, role, healthy rank) of a global rank: pairs are (0, 1), (2, 3), ..."""
-    return rank // 2, ("H" if rank % 2 == 0 else "F"), rank - rank % 2
+def pair_of(rank, tp=1):
+    """(pair index, role, TP rank) of a global rank. A pair holds 2 x tp consecutive ranks; in
+    it, H's TP rank r is rank 2r and F's is 2r + 1, so each H rank and its F twin are neighbours
+    (with tp = 1: pairs (0, 1), (2, 3), ...)."""
+    pair, i = divmod(rank, 2 * tp)
+    return pair, ("H" if i % 2 == 0 else "F"), i // 2
 
 
-def dist_worker(rank, world, port, run, threads=1, parent=None):
+def dist_worker(rank, world, port, run, threads=1, parent=None, tp=1):
     """Entry of one spawned rank: join the gloo group on loopback and call ``run(rank, link)``."""
     import torch.distributed as dist
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
@@ -290,7 +345,7 @@ def dist_worker(rank, world, port, run, threads=1, parent=None):
     torch.set_num_threads(threads)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        run(rank, make_link(rank, world))
+        run(rank, make_link(rank, world, tp))
     finally:
         dist.destroy_process_group()
 
@@ -311,15 +366,26 @@ def die_with_parent(parent=None):
         os._exit(1)
 
 
-def make_link(rank, world):
-    """The DistLink of this rank's pair (every rank creates every pair's group, as gloo needs)."""
+def make_link(rank, world, tp=1):
+    """The DistLink of this rank and its twin in the other replica (every rank creates every
+    group, as gloo needs); with ``tp > 1`` it carries the rank's ``TP`` group as ``link.tp``."""
     import torch.distributed as dist
     from abft.eval.sync import DistLink
-    if world % 2:
-        raise ValueError(f"abft eval: replica pairs need an even number of ranks, got {world}")
-    groups = [dist.new_group([2 * p, 2 * p + 1]) for p in range(world // 2)]
-    pair, _, h = pair_of(rank)
-    return DistLink(h, groups[pair])
+    if world % (2 * tp):
+        raise ValueError(f"abft eval: replica pairs of {tp}-rank tensor-parallel groups need a "
+                         f"multiple of {2 * tp} ranks, got {world}")
+    twins = [dist.new_group([2 * p, 2 * p + 1]) for p in range(world // 2)]
+    link = DistLink(rank - rank % 2, twins[rank // 2])
+    if tp > 1:
+        from abft.eval.tp import TP
+        pair, role, r = pair_of(rank, tp)
+        for p in range(world // (2 * tp)):
+            for side in (0, 1):          # H's group, then F's
+                ranks = tuple(p * 2 * tp + 2 * i + side for i in range(tp))
+                g = dist.new_group(list(ranks))
+                if rank in ranks:
+                    link.tp = TP(rank=r, size=tp, group=g, ranks=ranks)
+    return link
 
 
 def free_port():
@@ -329,8 +395,8 @@ def free_port():
         return s.getsockname()[1]
 
 
-def spawn_pairs(pairs, run, threads=1):
-    """Run ``run(rank, link)`` on ``2 x pairs`` local ranks (gloo on loopback)."""
+def spawn_pairs(pairs, run, threads=1, tp=1):
+    """Run ``run(rank, link)`` on ``2 x tp x pairs`` local ranks (gloo on loopback)."""
     import torch.multiprocessing as mp
-    mp.spawn(dist_worker, args=(2 * pairs, free_port(), run, threads, os.getpid()),
-             nprocs=2 * pairs, join=True)
+    mp.spawn(dist_worker, args=(2 * tp * pairs, free_port(), run, threads, os.getpid(), tp),
+             nprocs=2 * tp * pairs, join=True)

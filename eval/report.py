@@ -138,6 +138,7 @@ def summarize(trials):
         "first_divergence": {t["id"]: first_divergence(t) for t in trials
                              if t["mode"] != "none" and t["mismatches"]},
         "cases": all_cases,
+        "tp": max((t.get("tp", 1) for t in trials), default=1),
     }
 
 
@@ -238,13 +239,18 @@ def markdown(s):
              f"{s['null']['mismatches']} mismatches, {s['null']['alarms']} alarms.",
              f"False alarms (alarms with no fault at all): {fa['alarms']} alarm(s) at "
              f"{fa['steps']} fault-free step(s) of the faulty replica, {fa['healthy_replica']} on "
-             f"the healthy replica.", "",
-             "## Coverage per site", "",
-             "A fault is one faulty unit (counted once across sync modes and steps); an event is "
-             "one firing of it in one trial. Outcomes count events.", "",
-             "| site | faults | events | " + " | ".join(OUTCOME_NAMES)
-             + " | detection rate | faults detected |",
-             "|---|---|---|" + "---|" * len(OUTCOMES) + "---|---|"]
+             f"the healthy replica.", ""]
+    if s.get("tp", 1) > 1:
+        lines += [f"Tensor parallel: each replica a group of {s['tp']} ranks, each rank paired "
+                  f"with its twin; a trial's faults on one rank of F's group (the fault's TP rank "
+                  f"below); mismatches compared per rank, at the submodules and the TP "
+                  f"collectives.", ""]
+    lines += ["## Coverage per site", "",
+              "A fault is one faulty unit (counted once across sync modes and steps); an event is "
+              "one firing of it in one trial. Outcomes count events.", "",
+              "| site | faults | events | " + " | ".join(OUTCOME_NAMES)
+              + " | detection rate | faults detected |",
+              "|---|---|---|" + "---|" * len(OUTCOMES) + "---|---|"]
     for site, c in s["per_site"].items():
         lines.append(f"| {site} | {c['faults']} | {c['events']} | "
                      + " | ".join(str(c[o]) for o in OUTCOMES)
@@ -305,8 +311,9 @@ def markdown(s):
                   "The first sync point where F differed from H, and the fault active then.", "",
                   "| trial | step | first difference | fault |", "|---|---|---|---|"]
         for tid, d in s["first_divergence"].items():
+            where = "" if d.get("tp_rank") is None else f" (TP rank {d['tp_rank']})"
             lines.append(f"| {tid} | {d['step']}.{d['micro_step']} | {d['point']} "
-                         f"{d['module'] or '(model)'} {d['tensor']} | {d['cause'] or '–'} |")
+                         f"{d['module'] or '(model)'} {d['tensor']}{where} | {d['cause'] or '–'} |")
     lines += ["", "## Per node profile", "", "| profile | detected | missed | masked | rate |",
               "|---|---|---|---|---|"]
     for p, c in s["per_profile"].items():

@@ -43,6 +43,7 @@ class Mismatch:
     nonfinite: int       # mismatched elements that are NaN/Inf in F
     row: int = None      # the first mismatched element, in the last two dims
     col: int = None
+    seq: int = None      # the sync point's number in the run (the same on every TP rank)
 
     def to_dict(self):
         return asdict(self)
@@ -157,11 +158,13 @@ class Sync:
         self.modules = modules
         self.mismatches = []
         self.step = self.micro_step = 0
+        self.seq = 0            # sync points passed: orders the mismatches of TP ranks
         self.active = False
         self.handles = []
 
     # -- one point
     def point(self, kind, module, name, t, overwrite):
+        self.seq += 1
         if self.role == "H":
             self.link.send(t)
             return t
@@ -169,7 +172,8 @@ class Sync:
         m = compare(h, t)
         if m is None:
             return t
-        self.mismatches.append(Mismatch(self.step, self.micro_step, kind, module, name, **m))
+        self.mismatches.append(Mismatch(self.step, self.micro_step, kind, module, name, **m,
+                                        seq=self.seq))
         return h if overwrite else t
 
     # -- submodule hooks
@@ -225,6 +229,7 @@ class Sync:
         for name, p in named_params:
             if p.grad is None:
                 continue
+            self.seq += 1
             if self.role == "H":
                 self.link.send(p.grad)
                 continue
@@ -234,7 +239,8 @@ class Sync:
             den += float(h.double().pow(2).sum())
             if m is not None and self.mode != "none":
                 self.mismatches.append(Mismatch(self.step, self.micro_step, "grad",
-                                                name.rpartition(".")[0], name, **m))
+                                                name.rpartition(".")[0], name, **m,
+                                                seq=self.seq))
                 if self.mode == "computation":
                     p.grad.copy_(h)
         if self.role == "H":
@@ -252,6 +258,7 @@ class Sync:
             tensors += [("opt_state", f"{name}:{k}", v) for k, v in sorted(st.items())
                         if torch.is_tensor(v) and v.is_floating_point() and v.dim() > 0]
             for kind, label, t in tensors:
+                self.seq += 1
                 if self.role == "H":
                     self.link.send(t)
                     continue
@@ -263,7 +270,8 @@ class Sync:
                 if m is not None:
                     if self.mode == "computation":
                         self.mismatches.append(Mismatch(self.step, self.micro_step, kind,
-                                                        name.rpartition(".")[0], label, **m))
+                                                        name.rpartition(".")[0], label, **m,
+                                                        seq=self.seq))
                     if copy:
                         t.copy_(h)          # through .data: no version bump, as a restore would
         if self.role == "H":

@@ -117,6 +117,36 @@ def _sp_block(rank, mesh):
                 grads=_same(_grads(ref), _grads(m)), checked=_checked(m), alarms=_alarms())
 
 
+class _PrepBlock(nn.Module):
+    """A sequence-parallel norm, then an MLP whose input ``PrepareModuleInput`` gathers."""
+
+    def __init__(self):
+        super().__init__()
+        self.norm, self.mlp = nn.LayerNorm(16), _mlp()
+
+    def forward(self, x):
+        return self.mlp(self.norm(x))
+
+
+def _prepare_input(rank, mesh):
+    """``PrepareModuleInput`` (sequence shards gathered to a replicated input) before a column-
+    and row-parallel pair whose output goes back to sequence shards."""
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.parallel import (ColwiseParallel, PrepareModuleInput,
+                                                   RowwiseParallel, SequenceParallel)
+    plan = {"norm": SequenceParallel(),
+            "mlp": PrepareModuleInput(input_layouts=(Shard(1),), desired_input_layouts=(Replicate(),)),
+            "mlp.0": ColwiseParallel(), "mlp.2": RowwiseParallel(output_layouts=Shard(1))}
+    ref, m = _pair(_PrepBlock, mesh, plan)
+    x = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(5))
+    mine = x[:, 4 * rank:4 * rank + 4]
+    abft.reset()
+    y_ref, y = _run(ref, m, mine)
+    return dict(out=_same([y_ref], [y]), shape=list(_local(y).shape),
+                grads=_same(_grads(ref), _grads(m)), checked=_checked(m), alarms=_alarms(),
+                unverified=sum(r["unverified"] + r["unprotected"] for r in abft.coverage()))
+
+
 def _ops(rank, mesh):
     """Each checked op on DTensor operands under batch, row, column and inner-dim sharding."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -226,7 +256,7 @@ def _fsdp_tp(rank, mesh):
 
 
 SCENARIOS = {"tp_mlp": _tp_mlp, "sp_block": _sp_block, "ops": _ops, "llama": _llama,
-             "fsdp_tp": _fsdp_tp}
+             "fsdp_tp": _fsdp_tp, "prepare_input": _prepare_input}
 
 
 def _worker(rank, port, out, name, world):
@@ -277,6 +307,13 @@ def test_sequence_parallel_block_is_checked_and_equal(tmp_path):
     for res in _spawn(tmp_path, "sp_block"):
         assert res["out"] and res["grads"] and res["shape"] == [4, 4, 16], res
         assert res["checked"] == {"up": 3, "down": 3} and res["alarms"] == [], res
+
+
+def test_prepare_module_input_before_parallel_linears_is_checked_and_equal(tmp_path):
+    for res in _spawn(tmp_path, "prepare_input"):
+        assert res["out"] and res["grads"] and res["shape"] == [4, 4, 16], res
+        assert res["checked"] == {"mlp.0": 3, "mlp.2": 3} and res["unverified"] == 0, res
+        assert res["alarms"] == [], res
 
 
 def test_every_checked_op_takes_dtensor_operands(tmp_path):
