@@ -2,7 +2,7 @@
 
     check = abft.CommCheck(model)                     # names the parameters in alarms
     ddp.register_comm_hook(check, abft.CommCheck.ddp_hook)   # DDP (or check.attach(ddp))
-    check.attach(model)                               # FSDP2: every fully_shard module
+    check.attach(model)                               # FSDP2: every fully_shard module (HSDP too)
     check.all_reduce_grads(model.parameters(), group) # a hand-written data-parallel step
 
 The checksum of a sum is the sum of the checksums. Before the collective each rank takes, per
@@ -64,10 +64,13 @@ def block_sums(x, block):
     return out
 
 
-def compare(out, sums, *, ranks, average, block):
+def compare(out, sums, *, ranks, average, block, extra=0):
     """Check the collective's result ``out`` against the reduced ``sums`` (the inputs' block
     sums). Returns (bad, unverified, residual, bound, index) per block: index is the located
     element's 0-based position in the block, -1 where not located.
+
+    ``extra``: roundings of each element before the collective that ``sums`` do not include
+    (FSDP2's HSDP adds the previous micro-batches' partial reduction to the buffer).
 
     Detection is the deterministic bound. Location: one changed element at k moves the three
     sums by d, d k and d f(k); the position k' = round(ratio of the first two) is kept when both
@@ -78,7 +81,7 @@ def compare(out, sums, *, ranks, average, block):
         sums = sums / ranks
     a = sums[:, 3]
     u = UNIT[out.dtype]
-    bound = gamma(ranks - 1 + int(average), u) * a + \
+    bound = gamma(ranks - 1 + int(average) + extra, u) * a + \
         gamma(block + ranks + 2, 2.0 ** -53) * (a + got[:, 3].nan_to_num(0.0, 0.0, 0.0))
     # flushed subnormals (a device that flushes them in its reduction) and slack for A's own
     # rounding: negligible against any change a bit flip makes
@@ -218,8 +221,9 @@ class CommCheck:
 
     def attach(self, module, group=None):
         """Route ``module``'s gradient collectives through the checks: a DDP module gets the
-        communication hook; every FSDP2 (``fully_shard``) module in the tree its reduce-scatter.
-        Returns self."""
+        communication hook; every FSDP2 (``fully_shard``) module in the tree its reduce-scatter
+        and, under HSDP, its all-reduce across replicas (through FSDP's all-reduce hook, which
+        this replaces). Returns self."""
         from torch.nn.parallel import DistributedDataParallel
         if isinstance(module, DistributedDataParallel):
             self._group = group if group is not None else module.process_group
@@ -232,7 +236,10 @@ class CommCheck:
         found = 0
         for m in module.modules():
             if hasattr(m, "set_custom_reduce_scatter") and hasattr(m, "_get_fsdp_state"):
-                m.set_custom_reduce_scatter(_FSDPReduceScatter(self, m))
+                rs = _FSDPReduceScatter(self, m)
+                m.set_custom_reduce_scatter(rs)
+                if rs.hsdp() is not None:       # HSDP: the all-reduce across replicas too
+                    m.set_all_reduce_hook(rs.after_all_reduce)
                 found += 1
         if not found:
             raise ValueError("abft.CommCheck.attach: neither a DistributedDataParallel module "
@@ -254,12 +261,12 @@ class CommCheck:
         count(op, "gradients", "unverified")
         return []
 
-    def _verify(self, op, out, sums, ranks, average, spans):
+    def _verify(self, op, out, sums, ranks, average, spans, extra=0):
         from abft.context import current
         from abft.coverage import count
         t0 = time.perf_counter()
         bad, unver, res, bound, index = compare(out, sums, ranks=ranks, average=average,
-                                                block=self.block)
+                                                block=self.block, extra=extra)
         nb = bad.numel()
         n_unver = int(unver.sum())
         self.calls += 1
@@ -328,20 +335,68 @@ def _size(group):
 
 
 class _FSDPReduceScatter:
-    """FSDP2's reduce-scatter with checksums (``set_custom_reduce_scatter``); the output's layout
-    (each parameter's padded shard, in order) names the alarms."""
+    """FSDP2's reduce-scatter with checksums (``set_custom_reduce_scatter``) and, under HSDP,
+    the all-reduce across replicas after it; the output's layout (each parameter's padded shard,
+    in order) names the alarms."""
 
     def __init__(self, check, module):
         from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
         self.check, self.module = check, module
         self._default = DefaultReduceScatter()
+        self.pending = None        # HSDP: the sums of the all-reduce about to run
 
     def allocate(self, size, *, dtype, device):
         return self._default.allocate(size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        self.check.reduce_scatter(output_tensor, input_tensor, group, op, spans=self._spans())
+        spans = self._spans()
+        self.check.reduce_scatter(output_tensor, input_tensor, group, op, spans=spans)
+        self._before_all_reduce(output_tensor, group, spans)
         return None
+
+    def hsdp(self):
+        """The module's parameter group when it is HSDP (FSDP2 on a 2-D mesh: reduce-scatter
+        within a replica, then all-reduce across replicas), else None."""
+        try:
+            groups = self.module._get_fsdp_state()._fsdp_param_groups
+        except AttributeError:
+            return None
+        return groups[0] if len(groups) == 1 and getattr(groups[0], "_is_hsdp", False) else None
+
+    def _before_all_reduce(self, out, group, spans):
+        """HSDP: the block sums of the buffer FSDP is about to all-reduce across replicas (this
+        reduce-scatter's result plus the partial one of earlier micro-batches), reduced beside
+        it; ``after_all_reduce`` checks the result against them."""
+        self.pending = None
+        pg = self.hsdp()
+        if pg is None or not pg.all_reduce_grads or not ops._enabled():
+            return
+        from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
+            _get_gradient_divide_factors)
+        ar = pg._all_reduce_process_group
+        op = _get_gradient_divide_factors(group, ar, out.dtype, out.device.type,
+                                          pg.gradient_divide_factor,
+                                          pg.force_sum_reduction_for_comms)[3]
+        kind, partial = _op_kind(op), pg._partial_reduce_output
+        if kind is None or out.dtype not in UNIT:
+            self.pending = "unchecked"
+            return
+        t0 = time.perf_counter()
+        sums = block_sums(out, self.check.block)
+        if partial is not None:
+            sums += block_sums(partial, self.check.block)
+        self.check.seconds += time.perf_counter() - t0
+        dist.all_reduce(sums, group=ar)
+        self.pending = (sums, _size(ar), kind == "avg", int(partial is not None), spans)
+
+    def after_all_reduce(self, out):
+        """FSDP2's all-reduce hook: runs after HSDP's all-reduce, on its result."""
+        pending, self.pending = self.pending, None
+        if pending == "unchecked":
+            self.check._unchecked("all_reduce", out)
+        elif pending is not None:
+            sums, ranks, average, extra, spans = pending
+            self.check._verify("all_reduce", out, sums, ranks, average, spans, extra)
 
     def _spans(self):
         out, off = [], 0

@@ -292,6 +292,100 @@ def two_ranks(tmp_path_factory):
     return [json.load(open(out / f"comm-{r}.json")) for r in range(2)]
 
 
+# -- 4 gloo ranks: FSDP2's HSDP (reduce-scatter in a replica, all-reduce across replicas) -------
+
+class _FlipAllReduce:
+    """torch.distributed as FSDP's collectives see it, with their float32 all-reduce (HSDP's
+    across replicas) coming back with element ``at`` flipped on this rank."""
+
+    def __init__(self, at):
+        self.at = at
+
+    def __getattr__(self, name):
+        return getattr(dist, name)
+
+    def all_reduce(self, tensor, *args, **kw):
+        work = dist.all_reduce(tensor, *args, **kw)
+        if tensor.dtype == torch.float32 and self.at is not None:
+            _flip(tensor, self.at, 29)
+        return work
+
+
+def _hsdp(rank):
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import _fully_shard, fully_shard
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+
+    def make():
+        m = _model()
+        for layer in (m[0], m[2]):
+            fully_shard(layer, mesh=mesh)
+        return fully_shard(m, mesh=mesh)
+    plain = _train(make())
+    checked_model = make()
+    check = CommCheck(block=16).attach(checked_model)
+    checked = _train(checked_model)
+    clean = abft.flush()
+    cov = {r["op"]: r["checked"] for r in abft.coverage() if r["module"] == "gradients"}
+    # two micro-batches, the first without the all-reduce (HSDP's gradient accumulation): the
+    # second all-reduces its reduce-scatter plus the first's partial sum
+    acc = make()
+    acc_check = CommCheck(block=16).attach(acc)
+    g = torch.Generator().manual_seed(20 + rank)
+    for micro in range(2):
+        acc.set_requires_all_reduce(micro == 1)
+        with abft.scope(step=micro):
+            acc(torch.randn(6, 8, generator=g)).square().mean().backward()
+    accumulated = abft.flush()
+    reference = _backward(make())
+    bad = make()
+    CommCheck(block=16).attach(bad)
+    real = _fully_shard._fsdp_collectives.dist
+    _fully_shard._fsdp_collectives.dist = _FlipAllReduce(3 if rank == 3 else None)
+    try:
+        grads = _backward(bad)
+    finally:
+        _fully_shard._fsdp_collectives.dist = real
+    found = abft.flush()
+    return dict(equal=all(torch.equal(_local(a), _local(b)) for a, b in zip(plain, checked)),
+                clean=[str(a) for a in clean], calls=check.calls, checked=check.checked, cov=cov,
+                accumulated=[str(a) for a in accumulated],
+                acc=[acc_check.calls, acc_check.checked, acc_check.unverified],
+                found=[[a.rank, a.op, a.module, a.row, a.col, a.step] for a in found],
+                differs=_differs(grads, reference))
+
+
+def _hsdp_worker(rank, port, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE="4")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=4)
+    try:
+        with open(os.path.join(out, f"hsdp-{rank}.json"), "w") as f:
+            json.dump(_hsdp(rank), f)
+    finally:
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def test_hsdp_all_reduce_across_replicas_is_checked_and_locates_a_corrupted_element(tmp_path):
+    mp.spawn(_hsdp_worker, args=(free_port(), str(tmp_path)), nprocs=4, join=True)
+    for rank in range(4):
+        d = json.load(open(tmp_path / f"hsdp-{rank}.json"))
+        assert d["equal"] and d["clean"] == [] and d["accumulated"] == [], d
+        # accumulation: 2 micro-batches x 2 layers reduce-scatters, one all-reduce per layer
+        assert d["acc"] == [2 * 2 + 2, 3 * 8, 0], d
+        # per step and fully_shard layer one reduce-scatter and one all-reduce, each checked
+        assert d["calls"] == 3 * 2 * 2 and d["checked"] == 2 * 3 * 8, d
+        assert d["cov"] == {"reduce_scatter": 6, "all_reduce": 6}, d
+        if rank != 3:
+            assert d["found"] == [] and d["differs"] == [], d
+            continue
+        # each layer's all-reduce came back with element 3 of rank 3's shard flipped
+        assert len(d["differs"]) == 2, d
+        assert sorted(d["found"]) == sorted([3, "all_reduce", *x, 0] for x in d["differs"]), d
+
+
 def test_ddp_hook_is_exact_checked_and_locates_a_corrupted_bucket(two_ranks):
     for rank, res in enumerate(two_ranks):
         d = res["ddp"]
