@@ -54,6 +54,29 @@ def _weight_summary(w, key):
     return prepass.prepare(w, *key)
 
 
+def _grad_input_summary(w, key):
+    """What a check of g @ w (the linear's grad_input) keeps of w: as ``_weight_summary``, of w's
+    other side."""
+    if isinstance(key, int):
+        return weight_stats(w, key)
+    from abft.kernels import prepass
+    return prepass.prepare(w.t(), *key)
+
+
+@custom_op("abft::grad_input_kept", mutates_args=())
+def grad_input_kept(grad: Tensor, w: Tensor, module: str, wkey: int) -> Tensor:
+    """A protected linear's grad_input, grad @ w, checked with w's statistics kept between its
+    updates (``abft.weightcache``), as its forward product is."""
+    stats = weightcache.getter(w, wkey, _grad_input_summary, side="grad_input")
+    return ops.matmul(grad, w, op="linear", phase="grad_input", module=module or None,
+                      b_stats=stats)
+
+
+@grad_input_kept.register_fake
+def _(grad, w, module, wkey):
+    return torch.matmul(grad, w)
+
+
 @custom_op("abft::linear", mutates_args=())
 def linear_op(x: Tensor, w: Tensor, b: Optional[Tensor], module: str, wkey: int) -> Tensor:
     stats = weightcache.getter(w, wkey, _weight_summary) if wkey else None
@@ -66,16 +89,21 @@ def _(x, w, b, module, wkey):
 
 
 def _linear_setup(ctx, inputs, output):
-    x, w, b, module, _ = inputs
+    x, w, b, module, wkey = inputs
     ctx.save_for_backward(x, w)
-    ctx.has_bias, ctx.module = b is not None, module
+    ctx.has_bias, ctx.module, ctx.wkey = b is not None, module, wkey
 
 
 def _linear_backward(ctx, grad):
     x, w = ctx.saved_tensors
     gx = gw = gb = None
     if ctx.needs_input_grad[0]:
-        gx = _g("matmul", grad, w, "linear", "grad_input", ctx.module)
+        if ctx.wkey and not dtensor.any_dtensor(grad, w):
+            gx = torch.ops.abft.grad_input_kept(grad, w, ctx.module, ctx.wkey)
+            if carry._checks:
+                carry.record(gx, ctx.module or None, "linear", "grad_input")
+        else:
+            gx = _g("matmul", grad, w, "linear", "grad_input", ctx.module)
     g2 = rows2d(grad)
     if ctx.needs_input_grad[1]:
         gw = _g("mm", g2.t(), rows2d(x), "linear", "grad_weight", ctx.module)

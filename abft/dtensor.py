@@ -33,11 +33,15 @@ def _is_dtensor(t):
     return type(t).__name__ == "DTensor"
 
 
+def any_dtensor(*ts):
+    return "torch.distributed.tensor" in sys.modules and any(map(_is_dtensor, ts))
+
+
 def located(fn, *args):
     """``fn(*args)``; when an operand is a DTensor, the alarms of the products checked inside
     get ``labels["shard"]``, filled once the output's placement is known: an alarm resolved
     inside the product (the ``raise`` policy, a full queue) finds it still empty."""
-    if "torch.distributed.tensor" not in sys.modules or not any(map(_is_dtensor, args)):
+    if not any_dtensor(*args):
         return fn(*args)
     labels = context.current().labels      # the current scope's, so call ids run on
     where, saved = {}, labels.get("shard", _NONE)

@@ -283,10 +283,13 @@ def _enabled():
 
 
 @_plain
-def matmul(a, b, *, op="matmul", phase="forward", module=None, a_rg=False, b_rg=False):
+def matmul(a, b, *, op="matmul", phase="forward", module=None, a_rg=False, b_rg=False,
+           b_stats=None):
     """Checked ``torch.matmul(a, b)`` without autograd (``abft.matmul`` adds it). The product is
     computed by torch's own decomposition (``abft.decompose``); ``a_rg``/``b_rg`` say whether the
-    caller's operands require grad, which steers that decomposition as it steers torch's."""
+    caller's operands require grad, which steers that decomposition as it steers torch's.
+    ``b_stats``: statistics of a 2-D ``b`` kept between calls (a weight's, ``abft.weightcache``),
+    used when the decomposition multiplies by ``b`` as given."""
     if not _enabled():
         return torch.matmul(a, b)
     _require_float(op, a, b)
@@ -296,24 +299,34 @@ def matmul(a, b, *, op="matmul", phase="forward", module=None, a_rg=False, b_rg=
             return matmul(a.squeeze(0), b, op=op, phase=phase, module=module, a_rg=a_rg, b_rg=b_rg)
         return matmul(a, b.squeeze(0), op=op, phase=phase, module=module, a_rg=a_rg, b_rg=b_rg)
     if _use_triton(a, b):
-        return _triton(_triton_matmul(plan, a, b, op), phase, module)
-    pb = _matmul_problem(plan, a, b, op)
-    fresh = run_checked(pb, lambda: _matmul_problem(plan, a, b, op), phase=phase, module=module)
+        return _triton(_triton_matmul(plan, a, b, op, b_stats), phase, module)
+    pb = _matmul_problem(plan, a, b, op, b_stats)
+    fresh = run_checked(pb, lambda: _matmul_problem(plan, a, b, op, b_stats), phase=phase,
+                        module=module)
     return (fresh or pb).finish()
 
 
-def _triton_matmul(plan, a, b, op):
+def _kept(y, b, b_stats):
+    """``b_stats`` (kept statistics of ``b``) when the product's right operand ``y`` is ``b`` as
+    given (not a transposed or batched form of it), else None."""
+    same = y.dim() == 2 and y.shape == b.shape and y.stride() == b.stride() and \
+        y.data_ptr() == b.data_ptr()
+    return b_stats if same else None
+
+
+def _triton_matmul(plan, a, b, op, b_stats=None):
     """torch.matmul's decomposition with the product on the fused kernel."""
     x, y, flat, fin, _ = _canonical(plan, a, b)
-    return TritonProblem(op, x, y, flat_rows=flat, finish=fin)
+    return TritonProblem(op, x, y, flat_rows=flat, finish=fin, b_stats=_kept(y, b, b_stats))
 
 
-def _matmul_problem(plan, a, b, op):
+def _matmul_problem(plan, a, b, op, b_stats=None):
     """Compute the product the way torch.matmul does and return it as a checkable Problem whose
     ``finish()`` gives torch.matmul's result."""
     x, y, flat, fin, compute = _canonical(plan, a, b)
     c = compute()
     pb = Problem(op, x, y, c, flat_rows=flat)
+    pb.b_stats = _kept(y, b, b_stats)
     pb.finish = lambda: fin(c)
     return pb
 

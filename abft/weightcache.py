@@ -1,8 +1,9 @@
 """Weight checksums kept between weight updates, keyed on the parameter they summarise.
 
 The row check of Y = X W^T (+ b) needs statistics of W (``reference.weight_stats``: block sums,
-norms, exponents). For a protected module they are computed once per version of the weight
-parameter and reused until it changes: optimizer steps bump the parameter's version counter. That
+norms, exponents; on the fused kernel its pre-pass), and the row check of the backward's
+G W (grad_input) its own, of W's other side. For a protected module each is computed once per
+version of the weight parameter and reused until it changes: optimizer steps bump the parameter's version counter. That
 saves a pass over W per call, and makes a change of W at rest (a bit flip written behind
 autograd's back, which leaves the version alone) show as failing row sums.
 
@@ -24,7 +25,7 @@ from torch.optim.optimizer import register_optimizer_step_post_hook
 
 _lock = threading.Lock()
 _sources = {}        # id(param) -> weakref(param)
-_cache = {}          # id(param) -> (weakref(param), version, dtype, device, bn, stats)
+_cache = {}          # (id(param), side) -> (weakref(param), version, dtype, device, bn, stats)
 
 
 def key(param):
@@ -37,14 +38,21 @@ def key(param):
         ref = _sources.get(k)
         if ref is None or ref() is not param:
             _sources[k] = weakref.ref(param)
-            _cache.pop(k, None)
+            _drop({k})
     return k
 
 
-def getter(w, k, make):
+def _drop(ids):
+    """Drop the kept statistics of the parameters ``ids`` (under the lock)."""
+    for c in [c for c in _cache if c[0] in ids]:
+        del _cache[c]
+
+
+def getter(w, k, make, side="forward"):
     """``get(bn)`` returning the statistics of ``w`` (the parameter ``k`` or a cast copy of it),
     made by ``make(w, bn)`` when the parameter has changed since they were kept; None when ``w``
-    is not derived from that parameter."""
+    is not derived from that parameter. ``side``: the product they serve (``forward``: x @ w.T,
+    ``grad_input``: g @ w), each kept on its own."""
     with _lock:
         ref = _sources.get(k)
     src = ref() if ref is not None else None
@@ -56,12 +64,12 @@ def getter(w, k, make):
     def get(bn):
         ver = src._version
         with _lock:
-            hit = _cache.get(k)
+            hit = _cache.get((k, side))
         if hit is not None and hit[0]() is src and hit[1:5] == (ver, w.dtype, w.device, bn):
             return hit[5]
         stats = make(w, bn)
         with _lock:
-            _cache[k] = (ref, ver, w.dtype, w.device, bn, stats)
+            _cache[(k, side)] = (ref, ver, w.dtype, w.device, bn, stats)
         return stats
 
     return get
@@ -83,8 +91,7 @@ def _after_optimizer_step(optimizer, args, kwargs):
     version bump (fused kernels)."""
     ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
     with _lock:
-        for k in ids & _cache.keys():
-            del _cache[k]
+        _drop(ids)
 
 
 register_optimizer_step_post_hook(_after_optimizer_step)

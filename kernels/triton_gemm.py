@@ -7,7 +7,8 @@ Design: the checksums ride in the tiles, so the K loop is the unchecked GEMM's K
   s_k = sum_i x_ik 2^-E split into R parts that the tensor cores multiply exactly (3 for bf16,
   fp16 and tf32, 1 for fp32), and the statistics the threshold is built from (row exponents,
   norms, multiplicities, low-entropy flags: ``stats.operand_stats``'s quantities). A weight's
-  pre-pass is kept between optimizer steps (``abft/weightcache.py``).
+  pre-passes (for x W^T and for the backward's G W) are kept between optimizer steps
+  (``abft/weightcache.py``).
 - The main kernel's A tile is DM data rows and RA checksum rows; its B tile DN data columns and
   RB checksum columns (R, or a vector's width where the operand is contiguous along that side,
   the extra rows zero: ``Layout``). The K loop loads the tiles and calls ``tl.dot``: nothing on

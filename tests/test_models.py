@@ -114,6 +114,32 @@ def test_weight_flip_at_rest_is_caught_by_the_cached_checksums():
     assert abft.flush() == []
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_grad_input_keeps_the_weights_checksums_and_catches_a_flip_after_the_forward(
+        backend, monkeypatch):
+    from abft import autograd
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 48))
+    abft.protect(model)
+    x = torch.randn(32, 64, requires_grad=True)
+    made, real = [], autograd._grad_input_summary
+    monkeypatch.setattr(autograd, "_grad_input_summary",
+                        lambda w, key: made.append(key) or real(w, key))
+    with abft.config(backend=backend):
+        for _ in range(2):
+            model(x).square().sum().backward()
+        assert abft.flush() == [] and len(made) == 1      # kept: made once for two backwards
+        torch.optim.SGD(model.parameters(), lr=0.1).step()
+        model(x).square().sum().backward()
+        assert abft.flush() == [] and len(made) == 2      # a new version of the weight
+        y = model(x)
+        with torch.no_grad():                             # after the forward read the weight
+            model[0].weight.data.view(torch.int32)[5, 7] ^= 1 << 28
+        y.square().sum().backward()
+        alarms = abft.flush()
+    assert alarms and {(a.module, a.phase) for a in alarms} == {("0", "grad_input")}, alarms
+
+
 def test_no_grad_inference_and_gradient_accumulation():
     torch.manual_seed(0)
     plain, prot = GPT(CFG), None
