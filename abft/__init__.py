@@ -35,7 +35,7 @@ def flush():
 
 def alarms():
     """The process's alarm log (after resolving pending verdicts)."""
-    _policy.flush()
+    _policy.resolve()
     return _default_log()
 
 
@@ -53,7 +53,7 @@ def margin(file=None):
     A ratio creeping toward 1 on clean data is a false alarm coming: report it, with the shapes
     and dtype, before it happens."""
     import sys
-    _policy.flush()
+    _policy.resolve()
     rows = _policy.margins()
     out = file or sys.stdout
     print(f"{'worst':>8}  {'phase':<12} {'calls':>6}  op / module", file=out)
@@ -66,7 +66,7 @@ def margin(file=None):
 def coverage():
     """Per op and module: checked, sampled-out and unverified calls, and the GEMM-like ops seen
     that nothing checked (``unprotected``: SDPA, convolutions, einsum forms that are not products)."""
-    _policy.flush()
+    _policy.resolve()
     return _coverage.report()
 
 

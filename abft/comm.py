@@ -392,7 +392,9 @@ class _FSDPReduceScatter:
     def after_all_reduce(self, out):
         """FSDP2's all-reduce hook: runs after HSDP's all-reduce, on its result."""
         pending, self.pending = self.pending, None
-        if pending == "unchecked":
+        if pending == "unchecked" or (pending is None and ops._enabled()):
+            # an op the sums cannot follow, or no reduce-scatter before it (a shard group of
+            # one rank: FSDP copies the gradients instead): counted, unverified
             self.check._unchecked("all_reduce", out)
         elif pending is not None:
             sums, ranks, average, extra, spans = pending

@@ -162,6 +162,16 @@ def report(alarms, log):
         _reported.extend(alarms)
 
 
+def resolve():
+    """Resolve every queued verdict and keep the new alarms for the next ``flush()``, which
+    returns them: for the readers that need the verdicts in (``coverage()``, the log, a config's
+    exit) without taking the alarms from whoever calls ``flush()`` next."""
+    new = flush()
+    if new:
+        with _lock:
+            _reported[:0] = new
+
+
 def flush():
     """Resolve every queued verdict; returns the new alarms (and those ``report``ed since)."""
     global _queue_bytes

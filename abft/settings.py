@@ -82,7 +82,7 @@ class config:
     def __exit__(self, *exc):
         global _settings
         from abft import policy
-        policy.flush()
+        policy.resolve()             # the verdicts in under these settings; alarms kept for flush()
         changed_path = self._previous.log_path != _settings.log_path
         _settings = self._previous
         if changed_path:

@@ -23,16 +23,38 @@ this trainer with the same step run by a ``StepGuard``:
 
 It uses only ``model_parts``, ``optimizers`` (an optimizer: ``step``, ``zero_grad``,
 ``param_groups``), ``lr_schedulers.step()``, ``step`` and ``train_step``, as torchtitan's
-Trainer has them (read at torchtitan b5bcd76, August 2026). A replayed step runs
-``train_step`` again, so its metrics are logged again.
+Trainer has them (read at torchtitan b5bcd76, August 2026). The step's batches are kept as copies
+(a step may change its inputs in place: context parallelism shards them), one more copy of a
+step's token ids. A replayed step runs ``train_step`` again, so its metrics are logged again.
+An optimizer that steps inside backward (an optimizer-in-backward setup) updates before the guard
+decides: the hook holds back ``trainer.optimizers.step()`` only, so use it without one.
 """
 import contextlib
+
+import torch
 
 import abft
 
 
+def _copy(batch):
+    """The batch with its tensors cloned: a step may change its inputs in place (torchtitan's
+    context parallelism shards inputs and labels in place), and a replay needs them as taken. A
+    tensor met twice (inputs that are the labels) stays one tensor."""
+    from torch.utils._pytree import tree_map
+    memo = {}
+
+    def one(t):
+        if not isinstance(t, torch.Tensor):
+            return t
+        if id(t) not in memo:
+            memo[id(t)] = t.clone()
+        return memo[id(t)]
+    return tree_map(one, batch)
+
+
 class _Replay:
-    """The step's data: the batches already taken first (a replay), then the source's."""
+    """The step's data: the batches already taken first (a replay), then the source's; each
+    kept as taken and handed out as a fresh copy."""
 
     def __init__(self, taken, source):
         self.taken, self.source, self.i = taken, source, 0
@@ -42,9 +64,9 @@ class _Replay:
 
     def __next__(self):
         if self.i == len(self.taken):
-            self.taken.append(next(self.source))
+            self.taken.append(_copy(next(self.source)))
         self.i += 1
-        return self.taken[self.i - 1]
+        return _copy(self.taken[self.i - 1])
 
 
 @contextlib.contextmanager

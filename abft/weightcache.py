@@ -2,8 +2,9 @@
 
 The row check of Y = X W^T (+ b) needs statistics of W (``reference.weight_stats``: block sums,
 norms, exponents; on the fused kernel its pre-pass), and the row check of the backward's
-G W (grad_input) its own, of W's other side. For a protected module each is computed once per
-version of the weight parameter and reused until it changes: optimizer steps bump the parameter's version counter. That
+G W (grad_input) its own, of W's other side. For a protected module each is computed at its
+first use after the weight parameter changed (the forward's at the first forward, grad_input's
+at the first backward) and reused until it changes again: optimizer steps bump the parameter's version counter. That
 saves a pass over W per call, and makes a change of W at rest (a bit flip written behind
 autograd's back, which leaves the version alone) show as failing row sums.
 
@@ -14,8 +15,10 @@ Writes through ``.data`` do not bump the version: to the cache they look like co
 Call ``forget()`` after changing weights that way on purpose.
 
 Fused optimizers (``torch.optim.AdamW(fused=True)``, the Hugging Face Trainer's default) update
-the weights in place without bumping their versions either, so every torch optimizer's step drops
-the statistics of the parameters it holds (a global step hook, registered on import).
+the weights in place without bumping their versions either, and FSDP2 refills a module's unsharded
+weight (the parameter its forward reads, which no optimizer holds) from the sharded one without a
+version bump, so every torch optimizer's step drops every kept statistic (a global step hook,
+registered on import).
 """
 import threading
 import weakref
@@ -87,11 +90,11 @@ def size():
 
 
 def _after_optimizer_step(optimizer, args, kwargs):
-    """Drop the statistics of ``optimizer``'s parameters: it may have updated them without a
-    version bump (fused kernels)."""
-    ids = {id(p) for g in optimizer.param_groups for p in g["params"]}
+    """Drop every kept statistic: the step may have updated weights without a version bump
+    (fused kernels), or weights a forward reads through a copy no optimizer holds (FSDP2's
+    unsharded parameters, refilled from the updated shards without a bump)."""
     with _lock:
-        _drop(ids)
+        _cache.clear()
 
 
 register_optimizer_step_post_hook(_after_optimizer_step)

@@ -347,7 +347,18 @@ def _hsdp(rank):
     finally:
         _fully_shard._fsdp_collectives.dist = real
     found = abft.flush()
+    # replicas of one rank each (a (4, 1) mesh): FSDP copies instead of reduce-scattering, so the
+    # all-reduce has no sums beside it: counted as unverified, never passed as checked
+    abft.reset()
+    flat = init_device_mesh("cpu", (4, 1), mesh_dim_names=("replicate", "shard"))
+    one = _model()
+    for layer in (one[0], one[2]):
+        fully_shard(layer, mesh=flat)
+    one_check = CommCheck(block=16).attach(fully_shard(one, mesh=flat))
+    _backward(one)
+    one_cov = {r["op"]: r["unverified"] for r in abft.coverage() if r["module"] == "gradients"}
     return dict(equal=all(torch.equal(_local(a), _local(b)) for a, b in zip(plain, checked)),
+                one=[one_check.calls, one_check.checked, one_cov],
                 clean=[str(a) for a in clean], calls=check.calls, checked=check.checked, cov=cov,
                 accumulated=[str(a) for a in accumulated],
                 acc=[acc_check.calls, acc_check.checked, acc_check.unverified],
@@ -378,6 +389,7 @@ def test_hsdp_all_reduce_across_replicas_is_checked_and_locates_a_corrupted_elem
         # per step and fully_shard layer one reduce-scatter and one all-reduce, each checked
         assert d["calls"] == 3 * 2 * 2 and d["checked"] == 2 * 3 * 8, d
         assert d["cov"] == {"reduce_scatter": 6, "all_reduce": 6}, d
+        assert d["one"] == [2, 0, {"all_reduce": 2}], d
         if rank != 3:
             assert d["found"] == [] and d["differs"] == [], d
             continue

@@ -147,6 +147,34 @@ def _prepare_input(rank, mesh):
                 unverified=sum(r["unverified"] + r["unprotected"] for r in abft.coverage()))
 
 
+def _fsdp_protect(rank, mesh):
+    """Protected, then FSDP2 (1-D), trained 3 steps with AdamW: the unsharded weights the
+    forward reads are refilled each step without a version bump, so kept checksums must not
+    outlive an optimizer step."""
+    from torch.distributed.fsdp import fully_shard
+    models = []
+    for protected in (False, True):
+        torch.manual_seed(0)
+        m = _mlp()
+        if protected:
+            abft.protect(m)
+        for layer in (m[0], m[2]):
+            fully_shard(layer, mesh=mesh)
+        models.append(fully_shard(m, mesh=mesh))
+    opts = [torch.optim.AdamW(m.parameters(), lr=1e-2) for m in models]
+    g = torch.Generator().manual_seed(6 + rank)
+    abft.reset()
+    for step in range(3):
+        x = torch.randn(4, 16, generator=g)
+        for m, opt in zip(models, opts):
+            with abft.scope(step=step):
+                m(x).square().sum().backward()
+            opt.step()
+            opt.zero_grad()
+    return dict(params=_same(list(models[0].parameters()), list(models[1].parameters())),
+                checked=_checked(models[1]), alarms=_alarms())
+
+
 def _ops(rank, mesh):
     """Each checked op on DTensor operands under batch, row, column and inner-dim sharding."""
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
@@ -256,7 +284,7 @@ def _fsdp_tp(rank, mesh):
 
 
 SCENARIOS = {"tp_mlp": _tp_mlp, "sp_block": _sp_block, "ops": _ops, "llama": _llama,
-             "fsdp_tp": _fsdp_tp, "prepare_input": _prepare_input}
+             "fsdp_tp": _fsdp_tp, "prepare_input": _prepare_input, "fsdp_protect": _fsdp_protect}
 
 
 def _worker(rank, port, out, name, world):
@@ -314,6 +342,13 @@ def test_prepare_module_input_before_parallel_linears_is_checked_and_equal(tmp_p
         assert res["out"] and res["grads"] and res["shape"] == [4, 4, 16], res
         assert res["checked"] == {"mlp.0": 3, "mlp.2": 3} and res["unverified"] == 0, res
         assert res["alarms"] == [], res
+
+
+def test_protected_fsdp2_training_does_not_false_alarm_across_steps(tmp_path):
+    for res in _spawn(tmp_path, "fsdp_protect"):
+        assert res["alarms"] == [] and res["params"], res
+        # forward, grad_input (not the first layer's) and grad_weight, 3 steps
+        assert res["checked"] == {"0": 6, "2": 9}, res
 
 
 def test_every_checked_op_takes_dtensor_operands(tmp_path):

@@ -23,6 +23,25 @@ def test_record_is_lazy_until_flush():
     assert list(abft.alarms()) == [al]
 
 
+def test_readers_of_the_verdicts_leave_the_alarms_to_the_next_flush():
+    """coverage(), alarms(), margin() and a config's exit resolve the queue without taking the
+    alarms from whoever calls flush() next (a StepGuard resolving its step, a test)."""
+    import io
+    a, b = _pair()
+    for read in (abft.coverage, abft.alarms, lambda: abft.margin(file=io.StringIO()), None):
+        if read is None:
+            with abft.config(sample_every=1):
+                with abft.inject(row=1, col=2, kind="add", value=9.0):
+                    abft.matmul(a, b)
+        else:
+            with abft.inject(row=1, col=2, kind="add", value=9.0):
+                abft.matmul(a, b)
+            read()
+        assert policy.pending() == 0
+        (al,) = abft.flush()
+        assert (al.row, al.col) == (1, 2) and abft.flush() == []
+
+
 def test_warn_warns_on_resolve():
     a, b = _pair()
     with abft.config(policy="warn"):

@@ -85,7 +85,6 @@ def test_eval_pairs_of_tensor_parallel_groups_detect_and_place_the_fault(tmp_pat
     fr = alu["fault_rank"]
     assert {a["tp_rank"] for a in alu["alarms"]} == {fr}       # only the faulty rank alarms
     assert alu["mismatches"][0]["tp_rank"] == fr
-    assert [m["seq"] for m in alu["mismatches"]] == sorted(m["seq"] for m in alu["mismatches"])
     d = crosscheck.first_divergence(alu)
     assert d["tp_rank"] == fr and d["cause"].endswith(f"on TP rank {fr}")
     text = report.markdown(report.summarize(list(recs.values())))
