@@ -46,6 +46,22 @@ def _train(steps, fault_step=None, persistent=False, **kw):
     return model, guard
 
 
+
+def test_alarms_resolved_by_a_config_block_inside_the_step_reach_the_guard():
+    """A config block in the user's step resolves the verdicts at its exit; its alarms are still
+    the step's (they were dropped for the guard before policy.resolve)."""
+    model, opt = _setup()
+    guard = abft.StepGuard(opt, decision="skip")
+    run = _closure(model, 0)
+
+    def step():
+        with abft.config(sample_every=1):
+            return run()
+    with abft.inject(when=lambda c: c.module == "0" and c.phase == "forward", kind="add",
+                     value=50.0):
+        guard.step(step)
+    assert [(r["decision"], r["applied"]) for r in guard.records] == [("skip", False)]
+
 def _params(model):
     return [p.detach().clone() for p in model.parameters()]
 
