@@ -42,7 +42,7 @@ when an operand is scaled by a power of two. In those units the Hoelder bound is
 any nonzero block and column, so a threshold never collapses to its floor.
 
 For K <= SMALL_K the threshold is capped by the deterministic worst-case bound built from the exact
-T = sum_i sum_k |x_ik| |y_kj| (cheap at small K).
+T = sum_i sum_k |x_ik| |y_kj| (cheap at small K), plus the underflow allowance (term 5).
 
 The host computes the scalar coefficients (``coefficients``); ``threshold`` (torch) and
 ``threshold_tl`` (Triton) evaluate the same expression, term for term, on per-sum tensors.
@@ -231,9 +231,12 @@ def threshold(c, *, s1, s2, sa, pred, x1, xinf, xs1, xsinf, y1, yinf, nu, low, e
     if c.out_add and da is not None:
         thr = thr + c.out_add * da
     nout = c.bs if nsub is None else nsub
-    thr = thr + _underflow(c, ex, ey, x1, y1, nout, torch.exp2, torch.sqrt)
+    uf = _underflow(c, ex, ey, x1, y1, nout, torch.exp2, torch.sqrt)
+    thr = thr + uf
     if c.cap and t is not None:
-        w = c.w_t * t + c.w_sa * sa + nout * c.eta_out * torch.exp2(-(ex + ey))
+        # the worst case holds the underflow too (a GEMM that flushes its subnormal products to
+        # zero is off by all of them, whatever t is)
+        w = c.w_t * t + c.w_sa * sa + uf
         if da is not None:
             w = w + (c.w_da + c.out_add) * da
         thr = torch.minimum(thr, w * c.w_scale)
@@ -327,5 +330,5 @@ if triton is not None:
         uf += ftz * (bs * pow2_tl(-ex) * tl.sqrt(k * y1) + pow2_tl(-ey) * tl.sqrt(bs * k * x1))
         thr = thr + uf
         if CAP:
-            thr = tl.minimum(thr, (w_t * t + w_sa * sa) * w_scale)
+            thr = tl.minimum(thr, (w_t * t + w_sa * sa + uf) * w_scale)
         return tl.maximum(thr, _FLOOR)
