@@ -49,7 +49,7 @@ import time
 
 import torch
 
-from abft import policy, settings
+from abft import policy, settings, weightcache
 from abft.context import current_rank, scope
 
 DECISIONS = ("continue", "skip", "rerun", "halt")
@@ -118,7 +118,10 @@ class StepGuard:
 
     def _scope(self, check):
         """The step's settings (every call's policy ``record``; abft off on an unsampled step)
-        and labels, as a context to close after ``_resolve``."""
+        and labels, as a context to close after ``_resolve``. Alarms left from before the step
+        (an evaluation pass between steps, kept by a config block's exit for ``flush()``) were
+        logged when they were resolved; they are not this step's, so it drops them here."""
+        policy.flush()
         stack = contextlib.ExitStack()
         stack.enter_context(settings.config(policy="record",
                                             enabled=check and settings.get().enabled))
@@ -294,6 +297,10 @@ class StepGuard:
         loss, alarms, counts = self._run(closure, check)
 
         def rerun():
+            # the step again from scratch: no checksum kept from its first run (a weight repaired
+            # at rest on one rank reaches every rank's unsharded copy under FSDP2, whose
+            # versions do not move)
+            weightcache.forget()
             torch.set_rng_state(rng)
             if cuda_rng is not None:
                 torch.cuda.set_rng_state_all(cuda_rng)

@@ -214,7 +214,7 @@ def pending():
 
 
 def stats():
-    flush()
+    resolve()                    # the counters in; the alarms stay for the next flush()
     out = dict(_stats)
     out["margins"] = margins()
     return out

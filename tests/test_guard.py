@@ -62,6 +62,29 @@ def test_alarms_resolved_by_a_config_block_inside_the_step_reach_the_guard():
         guard.step(step)
     assert [(r["decision"], r["applied"]) for r in guard.records] == [("skip", False)]
 
+
+def test_alarms_from_between_steps_are_not_charged_to_the_next_step():
+    """An evaluation pass between steps, in its own config block, hits a fault: its alarm is
+    logged there, and the next (clean) step is not skipped for it (it was before)."""
+    model, opt = _setup()
+    guard = abft.StepGuard(opt, decision="skip")
+    x = torch.randn(4, 8)
+    with abft.config(policy="record"), torch.no_grad():
+        with abft.inject(when=lambda c: c.module == "0", kind="add", value=50.0):
+            model(x)
+    assert len(abft.alarms()) == 1
+    guard.step(_closure(model, 0))
+    assert [(r["decision"], r["applied"]) for r in guard.records] == [("none", True)]
+    # the same, with the guard's own loop API (the Trainer callback's)
+    with abft.config(policy="record"), torch.no_grad():
+        with abft.inject(when=lambda c: c.module == "0", kind="add", value=50.0):
+            model(x)
+    guard.begin()
+    _closure(model, 1)()
+    assert guard.end() is True
+    guard.after_update()
+
+
 def _params(model):
     return [p.detach().clone() for p in model.parameters()]
 

@@ -24,11 +24,12 @@ def test_record_is_lazy_until_flush():
 
 
 def test_readers_of_the_verdicts_leave_the_alarms_to_the_next_flush():
-    """coverage(), alarms(), margin() and a config's exit resolve the queue without taking the
-    alarms from whoever calls flush() next (a StepGuard resolving its step, a test)."""
+    """coverage(), alarms(), margin(), stats() and a config's exit resolve the queue without
+    taking the alarms from whoever calls flush() next (a StepGuard resolving its step, a test)."""
     import io
     a, b = _pair()
-    for read in (abft.coverage, abft.alarms, lambda: abft.margin(file=io.StringIO()), None):
+    for read in (abft.coverage, abft.alarms, lambda: abft.margin(file=io.StringIO()), abft.stats,
+                 None):
         if read is None:
             with abft.config(sample_every=1):
                 with abft.inject(row=1, col=2, kind="add", value=9.0):
