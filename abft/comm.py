@@ -349,7 +349,7 @@ class _FSDPReduceScatter:
         return self._default.allocate(size, dtype=dtype, device=device)
 
     def __call__(self, output_tensor, input_tensor, group, op, async_op=False):
-        spans = self._spans()
+        spans = self._spans(output_tensor.numel())
         self.check.reduce_scatter(output_tensor, input_tensor, group, op, spans=spans)
         self._before_all_reduce(output_tensor, group, spans)
         return None
@@ -400,11 +400,15 @@ class _FSDPReduceScatter:
             sums, ranks, average, extra, spans = pending
             self.check._verify("all_reduce", out, sums, ranks, average, spans, extra)
 
-    def _spans(self):
+    def _spans(self, numel):
+        """Where each parameter's gradient shard lies in the reduce-scatter's output of
+        ``numel`` elements. FSDP reduces only the parameters that have a gradient: frozen ones
+        (a LoRA base weight) are left out; when parameters that need one got none in this
+        backward (unused), the sizes do not add up and alarms stay unnamed rather than wrong."""
         out, off = [], 0
         try:
             params = [fp for g in self.module._get_fsdp_state()._fsdp_param_groups
-                      for fp in g.fsdp_params]
+                      for fp in g.fsdp_params if fp.sharded_param.requires_grad]
         except AttributeError:       # another torch's internals: alarms stay unnamed
             return None
         for fp in params:
@@ -412,4 +416,4 @@ class _FSDPReduceScatter:
             out.append((off, n, fp._param_fqn or self.check.names.get(id(fp.sharded_param)),
                         tuple(fp.padded_sharded_param_size)))
             off += n
-        return out
+        return out if off == numel else None

@@ -72,6 +72,14 @@ def _label(mod, name, cache):
     mod._abft_cache = bool(cache)
     if cache and getattr(mod, "weight", None) is not None:
         weightcache.key(mod.weight)
+        if "_abft_load_hook" not in mod.__dict__:
+            mod._abft_load_hook = mod.register_load_state_dict_post_hook(_loaded)
+
+
+def _loaded(mod, incompatible_keys):
+    """After ``load_state_dict``: the kept checksums may describe the old weights (under FSDP2 the
+    load writes the shards, and the unsharded weight a forward reads keeps its version)."""
+    weightcache.forget()
 
 
 def _kind(mod):
@@ -113,6 +121,9 @@ def unprotect(model):
         if isinstance(mod, _Checked):
             base = type(mod)._abft_base
             mod.__class__ = base
+            hook = mod.__dict__.pop("_abft_load_hook", None)
+            if hook is not None:
+                hook.remove()
             for attr in ("_abft_name", "_abft_cache"):
                 mod.__dict__.pop(attr, None)
             names.append(name)

@@ -25,6 +25,8 @@ import warnings
 
 import torch
 
+from abft import weightcache
+
 _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 _CHUNK = 1 << 22          # elements per pass: bounds the float64 temporaries
 MAX_ALARMS = 16           # located alarms per tensor; past that, one summary alarm
@@ -228,4 +230,8 @@ class RestCheck:
                 if not torch.equal(fingerprint(t, self.block, b, 1)[:, 0], sums[:, b]):
                     bits[index] = was
                     left.append(a)
+                    continue
+            # a repaired weight: checksums kept from its flipped value are stale (under FSDP2 the
+            # repair goes to the shard, and the unsharded weight's version never sees it)
+            weightcache.forget()
         return left

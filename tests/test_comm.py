@@ -188,7 +188,7 @@ def _backward(model):
     g = torch.Generator().manual_seed(10 + dist.get_rank())
     with abft.scope(step=0):
         model(torch.randn(6, 8, generator=g)).square().mean().backward()
-    return {n: _local(p.grad).clone() for n, p in model.named_parameters()}
+    return {n: _local(p.grad).clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
 def _differs(grads, clean):
@@ -237,10 +237,23 @@ def _fsdp(rank):
     _Corrupting(block=16, at=3 if rank == 0 else None).attach(bad)
     grads = _backward(bad)
     found = abft.flush()
+    # the first layer's weight frozen (a LoRA base weight): FSDP reduces its bias alone
+    frozen = []
+    for at in (None, 3 if rank == 0 else None):
+        torch.manual_seed(0)
+        m = _model()
+        m[0].weight.requires_grad_(False)
+        for layer in (m[0], m[2]):
+            fully_shard(layer)
+        _Corrupting(block=16, at=at).attach(fully_shard(m))
+        frozen.append(_backward(m))
+    frozen_found = abft.flush()
     return dict(equal=all(torch.equal(_local(a), _local(b)) for a, b in zip(plain, checked)),
                 clean=[str(a) for a in clean], calls=check.calls, checked=check.checked,
                 found=[[a.rank, a.op, a.module, a.row, a.col, a.step] for a in found],
-                differs=_differs(grads, reference))
+                differs=_differs(grads, reference),
+                frozen_found=[[a.module, a.row, a.col] for a in frozen_found],
+                frozen_differs=_differs(frozen[1], frozen[0]))
 
 
 class _Once(_Corrupting):
@@ -425,6 +438,10 @@ def test_fsdp_reduce_scatter_is_exact_checked_and_locates_a_corrupted_shard(two_
         # alarms name the elements that differ (row and column in the local shard)
         assert len(d["differs"]) == 2, d
         assert sorted(d["found"]) == sorted([0, "reduce_scatter", *x, 0] for x in d["differs"]), d
+        # with a frozen weight the alarms still name the parameter and element that changed
+        # (they named the frozen weight before: its span was counted in the output)
+        assert len(d["frozen_differs"]) == 2 and "0.bias" in str(d["frozen_differs"]), d
+        assert sorted(d["frozen_found"]) == sorted(d["frozen_differs"]), d
 
 
 def test_guard_reruns_a_step_whose_bucket_was_corrupted_on_one_rank(two_ranks):

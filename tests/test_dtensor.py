@@ -171,8 +171,53 @@ def _fsdp_protect(rank, mesh):
                 m(x).square().sum().backward()
             opt.step()
             opt.zero_grad()
+    # another checkpoint loaded (each value 1.5 times): FSDP2 writes the shards, the unsharded
+    # weights keep their versions; the checksums kept from the old weights must go
+    for m in models:
+        with torch.no_grad(), abft.scope(step=3):
+            m(x)                                        # an evaluation: checksums kept
+        m.load_state_dict({k: v.detach() * 1.5 for k, v in m.state_dict().items()})
+        with abft.scope(step=3):
+            m(x).square().sum().backward()
     return dict(params=_same(list(models[0].parameters()), list(models[1].parameters())),
                 checked=_checked(models[1]), alarms=_alarms())
+
+
+def _fsdp_rest(rank, mesh):
+    """StepGuard(rest=True) under FSDP2: a bit flipped at rest in rank 1's shard of a weight
+    after the step's forward took its checksums from it; the guard writes the sealed bits back
+    and reruns: the rerun is clean (a transient fault), not an alarm against stale checksums."""
+    from torch.distributed.fsdp import fully_shard
+    torch.manual_seed(0)
+    m = _mlp()
+    abft.protect(m)
+    for layer in (m[0], m[2]):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(m, mesh=mesh)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    guard = abft.StepGuard(opt, decision="rerun", rest=True,
+                           names={p: n for n, p in m.named_parameters()})
+    x = torch.randn(4, 16, generator=torch.Generator().manual_seed(6 + rank))
+
+    def closure():
+        loss = m(x).square().sum()
+        if flip[0] and rank == 1:       # after the forward: its checksums saw the clean weight
+            flip[0] = False
+            w = m[2].weight.to_local()
+            w.data.view(torch.int32)[1, 2] ^= 1 << 28
+        loss.backward()
+        return loss
+    flip = [False]
+    out = []
+    try:
+        for step in range(3):
+            flip[0] = step == 1
+            guard.step(closure)
+        out = [[r["step"], r["decision"], r["persistence"]] for r in guard.records if r["alarms"]
+               or any(r["alarm_counts"])]
+    except abft.GuardHalt as e:
+        out = ["halt", str(e)[:200]]
+    return dict(records=out)
 
 
 def _ops(rank, mesh):
@@ -284,7 +329,8 @@ def _fsdp_tp(rank, mesh):
 
 
 SCENARIOS = {"tp_mlp": _tp_mlp, "sp_block": _sp_block, "ops": _ops, "llama": _llama,
-             "fsdp_tp": _fsdp_tp, "prepare_input": _prepare_input, "fsdp_protect": _fsdp_protect}
+             "fsdp_tp": _fsdp_tp, "prepare_input": _prepare_input, "fsdp_protect": _fsdp_protect,
+             "fsdp_rest": _fsdp_rest}
 
 
 def _worker(rank, port, out, name, world):
@@ -347,8 +393,18 @@ def test_prepare_module_input_before_parallel_linears_is_checked_and_equal(tmp_p
 def test_protected_fsdp2_training_does_not_false_alarm_across_steps(tmp_path):
     for res in _spawn(tmp_path, "fsdp_protect"):
         assert res["alarms"] == [] and res["params"], res
-        # forward, grad_input (not the first layer's) and grad_weight, 3 steps
-        assert res["checked"] == {"0": 6, "2": 9}, res
+        # forward, grad_input (not the first layer's) and grad_weight, 3 steps, an evaluation
+        # forward and a step after loading a checkpoint (it alarmed on both layers before
+        # load_state_dict dropped the kept checksums)
+        assert res["checked"] == {"0": 9, "2": 13}, res
+
+
+def test_fsdp2_kept_checksums_follow_a_repair_at_rest(tmp_path):
+    """StepGuard's repair of a flip at rest goes into one rank's shard, and from there into
+    every rank's unsharded weight at the next all-gather, versions unchanged: the rerun must not
+    check against checksums kept from the flipped weight (it halted as persistent before)."""
+    for res in _spawn(tmp_path, "fsdp_rest"):
+        assert res["records"] == [[1, "rerun", "transient"]], res
 
 
 def test_every_checked_op_takes_dtensor_operands(tmp_path):
