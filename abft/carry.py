@@ -94,11 +94,27 @@ def record(out, module, op, phase="forward"):
 
 
 def _died(entry):
-    """The output is gone (a weakref callback, maybe inside the garbage collector): queue its
-    verification for the next safe point (the next record, ``flush()``, the check's exit)."""
+    """The output is gone (a weakref callback, maybe inside the garbage collector): read it now
+    (its storage may live on, a grad_weight output as ``param.grad``, which GradScaler's
+    ``unscale_`` rewrites without a version bump), and queue the verdict for the next safe point
+    (the next record, ``flush()``, the check's exit)."""
+    try:
+        _read(entry)
+    except Exception:        # read at the drain instead
+        pass
     with _lock:
         _live.pop(id(entry), None)
         _dead.append(entry)
+
+
+def _read(entry):
+    """The output's fingerprint as it is now (None: changed in place by the program), once."""
+    if "now" in entry:
+        return
+    chk, alias = entry["check"], entry["alias"]
+    t0 = time.perf_counter()
+    entry["now"] = None if alias._version != entry["version"] else fingerprint(alias, chk.block)
+    chk.seconds += time.perf_counter() - t0
 
 
 def drain():
@@ -119,12 +135,12 @@ def drain():
 
 def _verify(entry):
     """What the output held against its fingerprint; then let it go."""
-    chk, alias = entry["check"], entry.pop("alias")
-    if alias._version != entry["version"]:    # changed in place by the program: not ours
+    _read(entry)
+    chk, alias, now = entry["check"], entry.pop("alias"), entry["now"]
+    if now is None:                           # changed in place by the program: not ours
         chk.skipped += 1
         return
     t0 = time.perf_counter()
-    now = fingerprint(alias, chk.block)
     chk.verified += 1
     words = alias.numel() * max(1, alias.element_size() // 4)   # 64-bit: two words each
     changed = located(now, entry["sums"], chk.block, words)

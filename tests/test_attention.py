@@ -138,3 +138,26 @@ def test_the_cost_bench_runs(capsys):
     out = capsys.readouterr().out
     assert out.splitlines()[-1].startswith("| 1x2x16x8 |") and out.splitlines()[-1].count("(") == 2
     assert abft.flush() == []
+
+
+def test_checked_sdpa_gives_zeros_for_fully_masked_rows_as_torch_does():
+    """Left padding masks whole rows of scores; torch's SDPA returns zeros there, the checked
+    decomposition gave NaN (a softmax of -inf), and training went on with NaN weights."""
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(2, 2, 8, 4, requires_grad=True) for _ in range(3))
+    mask = torch.ones(2, 1, 8, 8, dtype=torch.bool)
+    mask[0, :, :3, :] = False                       # the first 3 query rows see nothing
+    ref = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    ref.sum().backward()
+    grads = [t.grad.clone() for t in (q, k, v)]
+    for t in (q, k, v):
+        t.grad = None
+    with abft.checked(sdpa=True):
+        out = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        out.sum().backward()
+        assert abft.flush() == []
+    assert torch.isfinite(out).all() and torch.equal(out[0, :, :3], torch.zeros_like(out[0, :, :3]))
+    torch.testing.assert_close(out, ref)
+    for t, g in zip((q, k, v), grads):
+        assert torch.isfinite(t.grad).all()
+        torch.testing.assert_close(t.grad, g)

@@ -81,3 +81,25 @@ def test_inference_mode_outputs_are_not_carried():
     with abft.OutputCheck() as chk, torch.inference_mode():
         m(torch.randn(5, 8))
     assert chk.recorded == 0 and abft.flush() == []
+
+
+def test_gradients_unscaled_by_gradscaler_after_their_backward_do_not_alarm():
+    """A grad_weight output lives on as ``param.grad`` after its Python object dies, and
+    GradScaler's ``unscale_`` rewrites it without a version bump: the output is read at its
+    death, not at the next drain (2 false alarms a step before, and a guard halt)."""
+    torch.manual_seed(0)
+    m = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 4))
+    abft.protect(m)
+    opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu", init_scale=1024.0)
+    abft.reset()
+    with abft.OutputCheck() as chk:
+        for step in range(3):
+            with abft.scope(step=step):
+                opt.zero_grad()
+                scaler.scale(m(torch.randn(8, 16)).pow(2).mean()).backward()
+                scaler.unscale_(opt)
+                scaler.step(opt)
+                scaler.update()
+            assert abft.flush() == []
+    assert chk.verified > 0 and chk.skipped == 0
