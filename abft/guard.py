@@ -147,6 +147,10 @@ class StepGuard:
             stack.close()
         t1 = time.perf_counter()
         counts = self._reduce(len(alarms))
+        if any(counts):
+            # no checksum kept past an alarmed step, on any rank: a weight repaired at rest on
+            # one rank reaches every rank's unsharded copy under FSDP2, versions unchanged
+            weightcache.forget()
         self.resolve_s += t1 - t0
         self.reduce_s += time.perf_counter() - t1
         return alarms, counts
@@ -297,10 +301,6 @@ class StepGuard:
         loss, alarms, counts = self._run(closure, check)
 
         def rerun():
-            # the step again from scratch: no checksum kept from its first run (a weight repaired
-            # at rest on one rank reaches every rank's unsharded copy under FSDP2, whose
-            # versions do not move)
-            weightcache.forget()
             torch.set_rng_state(rng)
             if cuda_rng is not None:
                 torch.cuda.set_rng_state_all(cuda_rng)

@@ -104,9 +104,10 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
         scores = scores.masked_fill(~attn_mask, float("-inf")) if attn_mask.dtype == torch.bool \
             else scores + attn_mask
     p = attention.softmax(scores, module)          # rows summing to 1, forward and backward
-    dead = torch.isneginf(scores).all(-1, keepdim=True)
-    if dead.any():                                 # fully masked rows: zeros, as torch's SDPA
-        p = p.masked_fill(dead, 0.0)
+    if attn_mask is not None:                      # (a causal mask leaves every row a key)
+        dead = torch.isneginf(scores).all(-1, keepdim=True)
+        if dead.any():                             # fully masked rows: zeros, as torch's SDPA
+            p = p.masked_fill(dead, 0.0)
     if dropout_p > 0:
         p = F.dropout(p, dropout_p)
     return autograd.matmul(p, value, module=module)

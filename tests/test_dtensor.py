@@ -183,7 +183,7 @@ def _fsdp_protect(rank, mesh):
                 checked=_checked(models[1]), alarms=_alarms())
 
 
-def _fsdp_rest(rank, mesh):
+def _fsdp_rest(rank, mesh, decision="rerun"):
     """StepGuard(rest=True) under FSDP2: a bit flipped at rest in rank 1's shard of a weight
     after the step's forward took its checksums from it; the guard writes the sealed bits back
     and reruns: the rerun is clean (a transient fault), not an alarm against stale checksums."""
@@ -195,7 +195,7 @@ def _fsdp_rest(rank, mesh):
         fully_shard(layer, mesh=mesh)
     fully_shard(m, mesh=mesh)
     opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
-    guard = abft.StepGuard(opt, decision="rerun", rest=True,
+    guard = abft.StepGuard(opt, decision=decision, rest=True,
                            names={p: n for n, p in m.named_parameters()})
     x = torch.randn(4, 16, generator=torch.Generator().manual_seed(6 + rank))
 
@@ -218,6 +218,12 @@ def _fsdp_rest(rank, mesh):
     except abft.GuardHalt as e:
         out = ["halt", str(e)[:200]]
     return dict(records=out)
+
+
+def _fsdp_rest_skip(rank, mesh):
+    """The same with ``skip``: no optimizer step after the repair, so nothing else drops the
+    checksums rank 0 kept from the flipped weight before the next step."""
+    return _fsdp_rest(rank, mesh, decision="skip")
 
 
 def _ops(rank, mesh):
@@ -330,7 +336,7 @@ def _fsdp_tp(rank, mesh):
 
 SCENARIOS = {"tp_mlp": _tp_mlp, "sp_block": _sp_block, "ops": _ops, "llama": _llama,
              "fsdp_tp": _fsdp_tp, "prepare_input": _prepare_input, "fsdp_protect": _fsdp_protect,
-             "fsdp_rest": _fsdp_rest}
+             "fsdp_rest": _fsdp_rest, "fsdp_rest_skip": _fsdp_rest_skip}
 
 
 def _worker(rank, port, out, name, world):
@@ -405,6 +411,8 @@ def test_fsdp2_kept_checksums_follow_a_repair_at_rest(tmp_path):
     check against checksums kept from the flipped weight (it halted as persistent before)."""
     for res in _spawn(tmp_path, "fsdp_rest"):
         assert res["records"] == [[1, "rerun", "transient"]], res
+    for res in _spawn(tmp_path, "fsdp_rest_skip"):       # and the step after a skip is clean
+        assert res["records"] == [[1, "skip", None]], res
 
 
 def test_every_checked_op_takes_dtensor_operands(tmp_path):
