@@ -19,8 +19,8 @@ the weights in place without bumping their versions either, and FSDP2 refills a 
 weight (the parameter its forward reads, which no optimizer holds) from the sharded one without a
 version bump, so every torch optimizer's step drops every kept statistic (a global step hook,
 registered on import). For the same reason ``load_state_dict`` on a protected module, a repair
-of a weight at rest (``RestCheck.restore``) and a guard's rerun drop them too; any other write
-to an FSDP2 shard outside an optimizer needs ``forget()``.
+of a weight at rest (``RestCheck.restore``) and a guarded step with an alarm on any rank drop
+them too; any other write to an FSDP2 shard outside an optimizer needs ``forget()``.
 """
 import threading
 import weakref
