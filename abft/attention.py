@@ -113,7 +113,7 @@ class Softmax(torch.autograd.Function):
         p = torch.softmax(scores, -1)
         ctx.save_for_backward(p)
         ctx.module = module
-        if ops._enabled():
+        if ops.enabled():
             from abft.coverage import count
             bad, dev, bound, _ = check_forward(p)
             count("softmax", module, "checked")
@@ -125,7 +125,7 @@ class Softmax(torch.autograd.Function):
     def backward(ctx, dp):
         p, = ctx.saved_tensors
         ds = torch._softmax_backward_data(dp, p, -1, p.dtype)
-        if ops._enabled():
+        if ops.enabled():
             bad, dev, bound, rs = check_forward(p)            # P at rest since the forward
             if bool(bad.any()):
                 _report(bad, dev, torch.full_like(dev, bound), ctx.module, "saved")

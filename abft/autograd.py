@@ -38,7 +38,7 @@ def _(a, b, kind, op, phase, module):
 
 def _g(kind, a, b, op, phase, module):
     out = dtensor.located(torch.ops.abft.grad_product, a, b, kind, op, phase, module)
-    if carry._checks:                  # an OutputCheck is on: verified at its death
+    if carry.active():                  # an OutputCheck is on: verified at its death
         carry.record(out, module or None, op, phase)
     return out
 
@@ -100,7 +100,7 @@ def _linear_backward(ctx, grad):
     if ctx.needs_input_grad[0]:
         if ctx.wkey and not dtensor.any_dtensor(grad, w):
             gx = torch.ops.abft.grad_input_kept(grad, w, ctx.module, ctx.wkey)
-            if carry._checks:
+            if carry.active():
                 carry.record(gx, ctx.module or None, "linear", "grad_input")
         else:
             gx = _g("matmul", grad, w, "linear", "grad_input", ctx.module)
@@ -353,7 +353,7 @@ def _call(fn, device_type, tensors, *rest):
             out = dtensor.located(fn, *tensors, *rest)
     else:
         out = dtensor.located(fn, *tensors, *rest)
-    if carry._checks:                  # an OutputCheck is on: the output is verified at its death
+    if carry.active():                  # an OutputCheck is on: the output is verified at its death
         module = next((r for r in rest if isinstance(r, str)), "")
         carry.record(out, module or None, fn._qualified_op_name.split("::")[-1])
     return out
@@ -371,7 +371,7 @@ def matmul(a, b, *, module=None):
     Example:
         >>> c = abft.matmul(torch.randn(8, 5), torch.randn(5, 3))
     """
-    if not ops._enabled():
+    if not ops.enabled():
         return torch.matmul(a, b)
     return _call(torch.ops.abft.matmul, a.device.type, (a, b), a.requires_grad, b.requires_grad,
                  module or "")
@@ -379,21 +379,21 @@ def matmul(a, b, *, module=None):
 
 def mm(a, b, *, module=None):
     """Checked ``torch.mm`` (M, K) @ (K, N), with checked backward."""
-    if not ops._enabled():
+    if not ops.enabled():
         return torch.mm(a, b)
     return _call(torch.ops.abft.mm, a.device.type, (a, b), module or "")
 
 
 def bmm(a, b, *, module=None):
     """Checked ``torch.bmm`` (B, M, K) @ (B, K, N), with checked backward."""
-    if not ops._enabled():
+    if not ops.enabled():
         return torch.bmm(a, b)
     return _call(torch.ops.abft.bmm, a.device.type, (a, b), module or "")
 
 
 def addmm(input, mat1, mat2, *, beta=1, alpha=1, module=None):
     """Checked ``torch.addmm``: beta * input + alpha * (mat1 @ mat2), with checked backward."""
-    if not ops._enabled():
+    if not ops.enabled():
         return torch.addmm(input, mat1, mat2, beta=beta, alpha=alpha)
     return _call(torch.ops.abft.addmm, mat1.device.type, (input, mat1, mat2), float(beta),
                  float(alpha), module or "")
@@ -401,7 +401,7 @@ def addmm(input, mat1, mat2, *, beta=1, alpha=1, module=None):
 
 def baddbmm(input, batch1, batch2, *, beta=1, alpha=1, module=None):
     """Checked ``torch.baddbmm``: beta * input + alpha * (batch1 @ batch2), with checked backward."""
-    if not ops._enabled():
+    if not ops.enabled():
         return torch.baddbmm(input, batch1, batch2, beta=beta, alpha=alpha)
     return _call(torch.ops.abft.baddbmm, batch1.device.type, (input, batch1, batch2), float(beta),
                  float(alpha), module or "")
@@ -416,7 +416,7 @@ def linear(input, weight, bias=None, *, module=None, cache=False):
         bias: (out,) or None.
         cache: keep the weight's checksums between its updates (``abft.weightcache``).
     """
-    if not ops._enabled():
+    if not ops.enabled():
         return torch.nn.functional.linear(input, weight, bias)
     wkey = weightcache.key(weight) if cache else 0
     return _call(torch.ops.abft.linear, input.device.type, (input, weight, bias), module or "", wkey)

@@ -35,6 +35,11 @@ _dead = []              # entries whose output died, to verify at the next safe 
 _draining = threading.local()
 
 
+def active():
+    """Whether an OutputCheck is on (outputs are then verified at their death)."""
+    return bool(_checks)
+
+
 class OutputCheck:
     """Record and verify the outputs of checked forward products while it is on.
 

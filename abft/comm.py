@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from abft import ops, policy
 from abft.kernels.threshold import UNIT, gamma
-from abft.rest import _f, _weights
+from abft.rest import weight_of, position_weights
 
 _CHUNK = 1 << 16          # elements per pass: float64 temporaries that stay in cache (4x faster
                           # here than passes of 2^22, whose fresh pages cost more than the sums)
@@ -49,7 +49,7 @@ def block_sums(x, block):
     flat = x.detach().reshape(-1)
     nb = -(-flat.numel() // block)
     out = torch.empty(nb, 4, dtype=torch.float64, device=flat.device)
-    w = _weights(block, flat.device)[:, 1:]        # RestCheck's k and f(k), kept per block size
+    w = position_weights(block, flat.device)[:, 1:]        # RestCheck's k and f(k), kept per block size
     per = max(1, _CHUNK // block)
     for b0 in range(0, nb, per):
         b1 = min(nb, b0 + per)
@@ -93,7 +93,7 @@ def compare(out, sums, *, ranks, average, block, extra=0):
     unverified = ~torch.isfinite(a) | (~torch.isfinite(got[:, 0]) & (a >= torch.finfo(out.dtype).max))
     bad = ~unverified & ~(res.abs() <= bound)            # a NaN residual fails
     k = (d[:, 1] / res).round().clamp(0, block + 1)
-    fk = _f(k)
+    fk = weight_of(k)
     located = bad & torch.isfinite(res) & (k >= 1) & (k <= block) \
         & ((d[:, 1] - k * res).abs() < 0.5 * res.abs()) & ((d[:, 2] - fk * res).abs() < 0.5 * res.abs())
     index = torch.where(located, k - 1, torch.full_like(k, -1.0)).to(torch.int64)
@@ -153,7 +153,7 @@ class CommCheck:
         """All-reduce ``tensor`` in place with checksums; returns the alarms. ``spans``: list of
         (offset, numel, name, shape) naming the parameters laid out in ``tensor``."""
         kind, ranks = _op_kind(op), _size(group)
-        if not ops._enabled():           # abft.config(enabled=False), the guard's unsampled steps
+        if not ops.enabled():           # abft.config(enabled=False), the guard's unsampled steps
             self.communicate("all_reduce", tensor, None, group, op)
             return []
         if kind is None or tensor.dtype not in UNIT:
@@ -170,7 +170,7 @@ class CommCheck:
         """Reduce-scatter ``input`` (this rank's full buffer, ranks x output's size) into
         ``output`` with checksums; returns the alarms. ``spans`` name ``output``'s layout."""
         kind, ranks = _op_kind(op), _size(group)
-        if not ops._enabled():
+        if not ops.enabled():
             self.communicate("reduce_scatter", output, input, group, op)
             return []
         if kind is None or output.dtype not in UNIT or input.numel() != ranks * output.numel():
@@ -369,7 +369,7 @@ class _FSDPReduceScatter:
         it; ``after_all_reduce`` checks the result against them."""
         self.pending = None
         pg = self.hsdp()
-        if pg is None or not pg.all_reduce_grads or not ops._enabled():
+        if pg is None or not pg.all_reduce_grads or not ops.enabled():
             return
         from torch.distributed.fsdp._fully_shard._fsdp_collectives import (
             _get_gradient_divide_factors)
@@ -392,7 +392,7 @@ class _FSDPReduceScatter:
     def after_all_reduce(self, out):
         """FSDP2's all-reduce hook: runs after HSDP's all-reduce, on its result."""
         pending, self.pending = self.pending, None
-        if pending == "unchecked" or (pending is None and ops._enabled()):
+        if pending == "unchecked" or (pending is None and ops.enabled()):
             # an op the sums cannot follow, or no reduce-scatter before it (a shard group of
             # one rank: FSDP copies the gradients instead): counted, unverified
             self.check._unchecked("all_reduce", out)

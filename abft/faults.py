@@ -25,11 +25,19 @@ from dataclasses import dataclass, field
 
 import torch
 
+from abft.kernels import layout as L
+
 PATTERNS = ("element", "row", "column", "tile", "strided", "periodic")
 KINDS = ("bitflip", "stuck", "value", "add", "scale", "zero")
 
 _INT_VIEW = {torch.float64: torch.int64, torch.float32: torch.int32,
              torch.float16: torch.int16, torch.bfloat16: torch.int16}
+
+
+def as_bits(t):
+    """A float tensor's elements as integers of the same width (a view: any strides, writes go
+    through), for bit-exact compares (NaN == NaN, -0 != +0) and flips; other dtypes as they are."""
+    return t.view(_INT_VIEW[t.dtype]) if t.dtype in _INT_VIEW else t
 
 
 @dataclass
@@ -67,6 +75,25 @@ class Injection:
     times: object = 1
     persistent: bool = False
     hits: list = field(default_factory=list)
+
+    def __post_init__(self):
+        """Every Injection is validated, however it is built (``inject``, the evaluation's fault
+        builder, ``retarget``): one line naming the field."""
+        if self.pattern not in PATTERNS:
+            raise ValueError(f"abft.inject: pattern must be one of {PATTERNS}, got {self.pattern!r}")
+        if self.kind not in KINDS:
+            raise ValueError(f"abft.inject: kind must be one of {KINDS}, got {self.kind!r}")
+        if self.kind in ("bitflip", "stuck") and self.bit is None:
+            raise ValueError(f"abft.inject: kind={self.kind!r} needs bit=")
+        if isinstance(self.bit, (list, tuple)):
+            self.bit = tuple(int(b) for b in self.bit)
+        self.batch, self.size, self.stride = tuple(self.batch), tuple(self.size), int(self.stride)
+
+    def retarget(self, other):
+        """Take ``other``'s target and corruption (pattern, kind, place, bits, value), keeping this
+        one's trigger and hits: an installed injection aimed anew from inside its ``when``."""
+        for name in ("pattern", "kind", "row", "col", "batch", "bit", "value", "size", "stride"):
+            setattr(self, name, getattr(other, name))
 
     def matches(self, ctx):
         if ctx.attempt > 0 and not self.persistent:
@@ -116,7 +143,7 @@ class Injection:
         with torch.no_grad():
             if self.kind in ("bitflip", "stuck"):
                 width = torch.finfo(c.dtype).bits
-                bits = view.view(_INT_VIEW[c.dtype])       # same width: any strides
+                bits = as_bits(view)
                 mask = flip_mask(self.bit, width, c.dtype)
                 if self.kind == "bitflip":
                     bits ^= mask
@@ -134,8 +161,7 @@ class Injection:
             else:
                 view.zero_()
         if ctx is not None:
-            ctx.changed = int((before.view(_INT_VIEW.get(c.dtype, c.dtype)) !=
-                               view.view(_INT_VIEW.get(c.dtype, c.dtype))).sum())
+            ctx.changed = int((as_bits(before) != as_bits(view)).sum())
         self.hits.append(ctx)
 
 
@@ -162,16 +188,8 @@ class inject:
     def __init__(self, call_id=None, when=None, *, pattern="element", kind="bitflip", row=0, col=0,
                  batch=(), bit=None, value=0.0, size=(16, 16), stride=32, times=1,
                  persistent=False):
-        if pattern not in PATTERNS:
-            raise ValueError(f"abft.inject: pattern must be one of {PATTERNS}, got {pattern!r}")
-        if kind not in KINDS:
-            raise ValueError(f"abft.inject: kind must be one of {KINDS}, got {kind!r}")
-        if kind in ("bitflip", "stuck") and bit is None:
-            raise ValueError(f"abft.inject: kind={kind!r} needs bit=")
-        if isinstance(bit, (list, tuple)):
-            bit = tuple(int(b) for b in bit)
-        self.injection = Injection(call_id, when, pattern, kind, row, col, tuple(batch), bit,
-                                   value, tuple(size), int(stride), times, persistent)
+        self.injection = Injection(call_id, when, pattern, kind, row, col, batch, bit,
+                                   value, size, stride, times, persistent)
 
     @property
     def hits(self):
@@ -214,9 +232,9 @@ def kernel_injection(ctx):
     bitflip, add or zero of one accumulator element after the first K step."""
     for inj in list(_active):
         if inj.matches(ctx):
-            if inj.pattern != "element" or inj.kind not in ("bitflip", "add", "zero"):
-                raise NotImplementedError("abft.inject: the triton backend injects element bit "
-                                          "flips, adds and zeroing only")
+            if inj.pattern != "element" or inj.kind not in L.INJECT_KINDS:
+                raise NotImplementedError(f"abft.inject: the triton backend injects element "
+                                          f"faults of kinds {tuple(L.INJECT_KINDS)} only")
             bit = inj.bit or 0
             if isinstance(bit, tuple):
                 if len(bit) != 1:

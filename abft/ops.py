@@ -17,10 +17,10 @@ from abft import settings as _config
 from abft import context, coverage, decompose, faults, policy
 from abft.alarms import SilentCorruptionError
 from abft.decompose import rows2d
-from abft.kernels import reference
+from abft.kernels import backends, reference
 from abft.kernels import threshold as T
 
-SUPPORTED = (torch.float32, torch.float16, torch.bfloat16, torch.float64)
+SUPPORTED = backends.DTYPES["reference"]
 
 
 def _plain(fn):
@@ -101,13 +101,7 @@ class TritonProblem(Problem):
 
 def _use_triton(*ts):
     """The backend for these operands: triton when configured (auto: on CUDA tensors)."""
-    b = _config.get().backend
-    if b == "reference":
-        return False
-    ok = all(t.dtype in (torch.float32, torch.float16, torch.bfloat16) and t.dtype == ts[0].dtype for t in ts)
-    if b == "triton":
-        return ok
-    return ok and all(t.is_cuda for t in ts)
+    return backends.runs_on_triton(_config.get().backend, *ts)
 
 
 def _triton(pb, phase="forward", module=None):
@@ -157,7 +151,8 @@ def _sample(op, phase, labels):
 
 
 def run_checked(pb, recompute, *, phase="forward", module=None):
-    """Check ``pb`` under the current policy; ``recompute()`` returns a fresh Problem.
+    """Check ``pb`` under the current policy; ``recompute()`` returns a fresh Problem (None: the
+    product cannot be recomputed, and an alarm the policy would recompute is raised).
     Returns None, or the recomputed Problem whose result replaces the caller's."""
     s = _config.get()
     sc = context.current()
@@ -202,6 +197,11 @@ def run_checked(pb, recompute, *, phase="forward", module=None):
             policy.emit(alarms, sc.log)
             return None
     # recompute (or a correction that did not verify)
+    if recompute is None:               # a product given as views: nothing to recompute it from
+        for a in alarms:
+            a.action = "raised"
+        policy.emit(alarms, sc.log)
+        raise SilentCorruptionError(alarms[0])
     ctx.attempt = 1
     pb2 = recompute()
     again = policy.resolve_now(pb2.verify(ctx, s))
@@ -257,7 +257,7 @@ def _repair(pb, alarm):
 
 
 def _check(pb, ctx, s):
-    bm, bn = s.tiles or (256, 256)
+    bm, bn = s.tiles or backends.REFERENCE_TILES
     m, n = pb.c.shape[-2], pb.c.shape[-1]
     b_stats = getattr(pb, "b_stats", None)
     verdict, detail = reference.check(pb.a, pb.b, pb.c, bm=bm, bn=bn, units=reference.units_for(pb.c),
@@ -278,7 +278,7 @@ def _finish(op, out, make, phase="forward", module=None):
     return out if fresh is None else fresh.result
 
 
-def _enabled():
+def enabled():
     return _config.get().enabled
 
 
@@ -290,7 +290,7 @@ def matmul(a, b, *, op="matmul", phase="forward", module=None, a_rg=False, b_rg=
     caller's operands require grad, which steers that decomposition as it steers torch's.
     ``b_stats``: statistics of a 2-D ``b`` kept between calls (a weight's, ``abft.weightcache``),
     used when the decomposition multiplies by ``b`` as given."""
-    if not _enabled():
+    if not enabled():
         return torch.matmul(a, b)
     _require_float(op, a, b)
     plan = decompose.Plan(a, b, a_rg, b_rg)
@@ -360,10 +360,10 @@ def _canonical(plan, a, b):
 @_plain
 def mm(a, b, *, op="mm", phase="forward", module=None):
     """Checked ``torch.mm``: (M, K) @ (K, N)."""
-    if _enabled() and _use_triton(a, b) and a.dim() == 2 and b.dim() == 2:
+    if enabled() and _use_triton(a, b) and a.dim() == 2 and b.dim() == 2:
         return _triton(TritonProblem(op, a, b), phase, module)
     out = torch.mm(a, b)
-    if not _enabled():
+    if not enabled():
         return out
     _require_float(op, a, b)
     return _finish(op, out, lambda o: _simple(op, a, b, o, lambda: torch.mm(a, b)), phase, module)
@@ -372,10 +372,10 @@ def mm(a, b, *, op="mm", phase="forward", module=None):
 @_plain
 def bmm(a, b, *, op="bmm", phase="forward", module=None):
     """Checked ``torch.bmm``: (B, M, K) @ (B, K, N)."""
-    if _enabled() and _use_triton(a, b) and a.dim() == 3 and b.dim() == 3 and a.shape[0] == b.shape[0]:
+    if enabled() and _use_triton(a, b) and a.dim() == 3 and b.dim() == 3 and a.shape[0] == b.shape[0]:
         return _triton(TritonProblem(op, a, b), phase, module)
     out = torch.bmm(a, b)
-    if not _enabled():
+    if not enabled():
         return out
     _require_float(op, a, b)
     return _finish(op, out, lambda o: _simple(op, a, b, o, lambda: torch.bmm(a, b)), phase, module)
@@ -390,11 +390,11 @@ def _simple(op, a, b, out, again, alpha=1.0, addend=None, beta=1.0):
 @_plain
 def addmm(input, mat1, mat2, *, beta=1, alpha=1, module=None):
     """Checked ``torch.addmm``: beta * input + alpha * (mat1 @ mat2)."""
-    if _enabled() and _use_triton(input, mat1, mat2) and mat1.dim() == 2 and mat2.dim() == 2:
+    if enabled() and _use_triton(input, mat1, mat2) and mat1.dim() == 2 and mat2.dim() == 2:
         return _triton(TritonProblem("addmm", mat1, mat2, addend=input, alpha=alpha, beta=beta),
                        module=module)
     out = torch.addmm(input, mat1, mat2, beta=beta, alpha=alpha)
-    if not _enabled():
+    if not enabled():
         return out
     _require_float("addmm", input, mat1, mat2)
     return _finish("addmm", out, lambda o: _simple(
@@ -405,12 +405,12 @@ def addmm(input, mat1, mat2, *, beta=1, alpha=1, module=None):
 @_plain
 def baddbmm(input, batch1, batch2, *, beta=1, alpha=1, module=None):
     """Checked ``torch.baddbmm``: beta * input + alpha * (batch1 @ batch2)."""
-    if (_enabled() and _use_triton(input, batch1, batch2) and batch1.dim() == 3 and batch2.dim() == 3
+    if (enabled() and _use_triton(input, batch1, batch2) and batch1.dim() == 3 and batch2.dim() == 3
             and batch1.shape[0] == batch2.shape[0]):
         return _triton(TritonProblem("baddbmm", batch1, batch2, addend=input, alpha=alpha, beta=beta),
                        module=module)
     out = torch.baddbmm(input, batch1, batch2, beta=beta, alpha=alpha)
-    if not _enabled():
+    if not enabled():
         return out
     _require_float("baddbmm", input, batch1, batch2)
     return _finish("baddbmm", out, lambda o: _simple(
@@ -422,14 +422,14 @@ def baddbmm(input, batch1, batch2, *, beta=1, alpha=1, module=None):
 @_plain
 def linear(input, weight, bias=None, *, module=None, weight_stats=None):
     """Checked ``F.linear``: input (..., in) @ weight.T (out, in) + bias (out,)."""
-    if _enabled() and _use_triton(input, weight) and input.dim() >= 2 and (bias is None or bias.dim() == 1):
+    if enabled() and _use_triton(input, weight) and input.dim() >= 2 and (bias is None or bias.dim() == 1):
         x2 = rows2d(input)
         lead = tuple(input.shape[:-1])
         return _triton(TritonProblem("linear", x2, weight.t(), bias, lead if len(lead) > 1 else None,
                                      lambda c: c.view(*lead, c.shape[-1]), b_stats=weight_stats),
                        "forward", module)
     out = F.linear(input, weight, bias)
-    if not _enabled():
+    if not enabled():
         return out
     _require_float("linear", input, weight, *(() if bias is None else (bias,)))
     return _finish("linear", out, lambda o: _linear_problem(input, weight, bias, o, weight_stats),
@@ -450,13 +450,9 @@ def _linear_problem(x, w, bias, out, weight_stats=None):
 @_plain
 def check_views(op, a, b, c, *, module=None, phase="forward"):
     """Check an already computed product c (..., M, N) == a (..., M, K) @ b (..., K, N), given as
-    views (einsum): no recompute is possible, so a recompute policy raises on an alarm."""
-    if not _enabled():
+    views (einsum): no recompute is possible, so a recompute policy raises on an alarm (logged,
+    action "raised"); a correct policy repairs c in place."""
+    if not enabled():
         return
     _require_float(op, a, b)
-
-    def again():
-        raise RuntimeError(f"abft: {op} cannot be recomputed here")
-    pb = Problem(op, a, b, c)
-    pb.result, pb.recompute = c, again
-    run_checked(pb, lambda: again(), phase=phase, module=module)
+    run_checked(Problem(op, a, b, c), None, phase=phase, module=module)

@@ -48,8 +48,7 @@ def before_flush(fn):
 
 
 def summarize(verdict):
-    alarmed = ((verdict[..., L.ROW_RATIO] > 1) | (verdict[..., L.COL_RATIO] > 1)
-               | (verdict[..., L.STATUS] == L.NONFINITE))
+    alarmed = L.alarmed(verdict)
     unverified = verdict[..., L.STATUS] == L.UNVERIFIED
     # a fill, not a host-to-device copy: capturable in a CUDA graph
     tiles = torch.full((), float(verdict[..., 0].numel()), device=verdict.device)
@@ -87,7 +86,7 @@ def alarms_of(p, action):
     rr, rc = (d.detach().cpu() for d in p.detail)
     info = p.info
     bm, bn = info["bm"], info["bn"]
-    bad = ((v[..., L.ROW_RATIO] > 1) | (v[..., L.COL_RATIO] > 1) | (v[..., L.STATUS] == L.NONFINITE))
+    bad = L.alarmed(v)
     out = []
     for idx in bad.nonzero().tolist():
         *b, tp, tq = idx
@@ -241,3 +240,6 @@ def reset_stats():
 
 def now():
     return time.time()
+
+
+_config.on_exit.append(resolve)   # a config block's verdicts resolve under its settings

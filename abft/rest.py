@@ -57,7 +57,7 @@ def _bits(t):
 _W = {}
 
 
-def _weights(block, device):
+def position_weights(block, device):
     """(block, 3) float64: 1, the 1-based index k, and f(k) = k^2 mod 4093 + 1 (kept)."""
     key = (block, str(device))
     if key not in _W:
@@ -66,7 +66,8 @@ def _weights(block, device):
     return _W[key]
 
 
-def _f(k):
+def weight_of(k):
+    """f(k) of ``position_weights``, for one index."""
     return k * k % 4093 + 1
 
 
@@ -82,7 +83,7 @@ def fingerprint(t, block, first=0, count=None):
     nb = -(-bits.numel() // block)
     count = nb - first if count is None else count
     out = torch.empty(count, 3, dtype=torch.int64, device=bits.device)
-    w = _weights(block, bits.device)
+    w = position_weights(block, bits.device)
     per = max(1, _CHUNK // block)
     for b0 in range(first, first + count, per):
         b1 = min(first + count, b0 + per)
@@ -103,7 +104,7 @@ def located(now, sums, block, words):
     for b in (now != sums).any(0).nonzero().flatten().tolist():
         d0, d1, d2 = (int(x) for x in now[:, b] - sums[:, b])
         index = None
-        if d0 != 0 and d1 % d0 == 0 and 1 <= d1 // d0 <= block and d2 == d0 * _f(d1 // d0):
+        if d0 != 0 and d1 % d0 == 0 and 1 <= d1 // d0 <= block and d2 == d0 * weight_of(d1 // d0):
             index = b * block + d1 // d0 - 1
             if index >= words:
                 index = None

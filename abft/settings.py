@@ -1,9 +1,11 @@
 """Global settings: ``abft.config(...)`` sets them, and used as a context manager restores them."""
+import operator
 import os
 from dataclasses import dataclass, fields, replace
 
 POLICIES = ("record", "warn", "raise", "recompute", "correct")
-BACKENDS = ("reference", "triton", "auto")
+
+from abft.kernels.backends import BACKENDS
 
 
 @dataclass(frozen=True)
@@ -12,7 +14,7 @@ class Settings:
     policy: str = "record"
     backend: str = "reference"
     sample_every: int = 1
-    tiles: tuple = None                # (BM, BN); None: the backend's own (reference 256 x 256; the
+    tiles: tuple = None                # (BM, BN); None: the backend's own (kernels/backends.py; the
                                        # fused kernel's are powers of two holding checksum rows too)
     log_path: str = None               # JSONL sink; may contain {rank}
     on_alarm: object = None            # callable(Alarm)
@@ -20,6 +22,10 @@ class Settings:
     max_pending_bytes: int = 64 << 20
     lam: float = None                  # threshold multiplier override (None: abft.kernels.threshold.LAMBDA)
 
+
+# called when a ``with abft.config(...)`` block exits, before its settings are restored (the
+# verdict queue registers its resolve here: settings imports nothing of abft's)
+on_exit = []
 
 _settings = Settings(enabled=os.environ.get("ABFT_DISABLE", "") not in ("1", "true", "yes"))
 
@@ -40,9 +46,15 @@ def _validate(s):
             raise ValueError(f"abft.config: backend {s.backend!r} needs triton ({e})") from e
     if not (isinstance(s.sample_every, int) and s.sample_every >= 1):
         raise ValueError(f"abft.config: sample_every must be an int >= 1, got {s.sample_every!r}")
-    bm, bn = s.tiles or (1, 1)
-    if not (int(bm) >= 1 and int(bn) >= 1):
-        raise ValueError(f"abft.config: tiles must be two positive ints, got {s.tiles!r}")
+    if s.tiles is not None:
+        t = s.tiles
+        if not (len(t) == 2 and min(t) >= 1):
+            raise ValueError(f"abft.config: tiles must be two positive ints, got {t!r}")
+        if s.backend in ("triton", "auto"):
+            from abft.kernels.configs import tiles_error
+            why = tiles_error(*t)
+            if why:
+                raise ValueError(f"abft.config: tiles: {why}")
     if s.on_alarm is not None and not callable(s.on_alarm):
         raise ValueError("abft.config: on_alarm must be callable")
     if s.max_pending < 1 or s.max_pending_bytes < 1:
@@ -67,7 +79,11 @@ class config:
         if unknown:
             raise TypeError(f"abft.config: unknown setting(s) {sorted(unknown)}; known: {sorted(names)}")
         if changes.get("tiles") is not None:
-            changes["tiles"] = tuple(int(t) for t in changes["tiles"])
+            t = changes["tiles"]
+            try:
+                changes["tiles"] = tuple(operator.index(x) for x in t)   # ints (numpy's too), not 1.7
+            except TypeError:
+                raise ValueError(f"abft.config: tiles must be two positive ints, got {t!r}") from None
         new = replace(_settings, **changes)
         _validate(new)
         self._previous = _settings
@@ -81,8 +97,8 @@ class config:
 
     def __exit__(self, *exc):
         global _settings
-        from abft import policy
-        policy.resolve()             # the verdicts in under these settings; alarms kept for flush()
+        for fn in on_exit:
+            fn()
         changed_path = self._previous.log_path != _settings.log_path
         _settings = self._previous
         if changed_path:

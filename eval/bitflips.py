@@ -20,7 +20,7 @@ from abft.kernels.threshold import units
 
 
 def _alarmed(v):
-    return bool(((v[..., L.ROW_RATIO] > 1) | (v[..., L.COL_RATIO] > 1) | (v[..., L.STATUS] == L.NONFINITE)).any())
+    return bool(L.alarmed(v).any())
 
 
 def run(m=32, k=4096, n=32, trials=12, bits=range(32), seed=0):

@@ -30,6 +30,7 @@ import torch
 from abft.eval.faults import Profile, whole
 from abft.eval.replicas import TrainConfig, pretrain, run_trial
 from abft.eval.sync import MODES
+from abft.kernels import backends
 
 DEFAULT = """
 # abft eval default campaign: a healthy node (the null campaign), three unhealthy node profiles
@@ -136,8 +137,8 @@ def validate(cfg):
             raise ValueError(f"config.{k}: a whole number >= {low}, got {v!r}")
     modes = cfg.setdefault("modes", ["computation"])
     _modes(modes, "config.modes")
-    if cfg.setdefault("backend", "reference") not in ("reference", "triton", "auto"):
-        raise ValueError(f"config.backend: reference | triton | auto, got {cfg['backend']!r}")
+    if cfg.setdefault("backend", "reference") not in backends.BACKENDS:
+        raise ValueError(f"config.backend: {' | '.join(backends.BACKENDS)}, got {cfg['backend']!r}")
     train = cfg.setdefault("train", {})
     fields = TrainConfig.__dataclass_fields__
     for k in train:
@@ -172,8 +173,8 @@ def validate(cfg):
         prof = profile(p).validate(f"{where} ({name})")
         for k, v in asdict(prof).items():      # resolved: the hash covers every default
             p.setdefault(k, list(v) if isinstance(v, tuple) else v)
-        gpu = cfg["backend"] == "auto" and torch.cuda.is_available()   # auto: triton on CUDA
-        prof.check_backend("triton" if gpu else cfg["backend"], f"{where} ({name})")
+        prof.check_backend(backends.resolve(cfg["backend"], torch.cuda.is_available()),
+                           f"{where} ({name})")
         if prof.pin:
             from abft.eval.faults import targets
             tg = tg or targets(tc.model())

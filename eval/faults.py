@@ -50,8 +50,11 @@ SITES = ("gemm_accumulator", "gemm_operand", "gemm_output", "weight_memory", "op
          "nongemm_op", "gradient_comm")
 GEMM_SITES = SITES[:3]
 KINDS = ("zero", "bitflip", "signflip", "nonfinite", "scale", "noise")
+# the injection (``abft.faults.KINDS``) that makes each kind of event (``injection``)
+HOOK_KIND = {"zero": "zero", "bitflip": "bitflip", "signflip": "bitflip", "nonfinite": "value",
+             "scale": "scale", "noise": "scale"}
 BIT_CLASSES = ("sign", "exponent_msb", "exponent", "mantissa_high", "mantissa_low")
-PATTERNS = ("element", "row", "column", "strided", "tile", "periodic")
+PATTERNS = _hook.PATTERNS           # the injection patterns, as the hook names them
 PINS = ("site", "module", "phase", "micro_step", "row", "col", "state")
 STATES = ("exp_avg", "exp_avg_sq")
 TRIGGERS = ("min_k", "operand_above")
@@ -112,13 +115,13 @@ class Profile:
             for k, v in weights.items():
                 if k not in allowed:
                     raise ValueError(f"{where}.{name}: unknown {k!r}; one of {allowed}")
-                if not _number(v) or v < 0:
+                if not is_number(v) or v < 0:
                     raise ValueError(f"{where}.{name}.{k}: a finite weight >= 0, got {v!r}")
             if sum(weights.values()) <= 0:
                 raise ValueError(f"{where}.{name}: the weights sum to 0")
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"{where}.name: a non-empty string")
-        if not _number(self.rate) or not 0 <= self.rate <= 1:
+        if not is_number(self.rate) or not 0 <= self.rate <= 1:
             raise ValueError(f"{where}.rate: a probability in [0, 1], got {self.rate!r}")
         if self.timing not in TIMINGS:
             raise ValueError(f"{where}.timing: one of {TIMINGS}, got {self.timing!r}")
@@ -131,7 +134,7 @@ class Profile:
         check("bits", self.bits, BIT_CLASSES)
         check("patterns", self.patterns, PATTERNS)
         check("phases", self.phases, PHASES)
-        if not _number(self.multi_bit) or not 0 <= self.multi_bit <= 1:
+        if not is_number(self.multi_bit) or not 0 <= self.multi_bit <= 1:
             raise ValueError(f"{where}.multi_bit: a probability in [0, 1], got {self.multi_bit!r}")
         self._validate_pins(where)
         if not whole(self.reseed) or self.reseed < 0:
@@ -143,7 +146,7 @@ class Profile:
             raise ValueError(f"{where}.reseed: a reseeded healthy replica has no faults (rate = 0)")
         for name in ("scale", "noise"):
             v = getattr(self, name)
-            if not isinstance(v, (list, tuple)) or len(v) != 2 or not all(map(_number, v)) \
+            if not isinstance(v, (list, tuple)) or len(v) != 2 or not all(map(is_number, v)) \
                     or not 0 < v[0] <= v[1]:
                 raise ValueError(f"{where}.{name}: [low, high], finite, 0 < low <= high, got {v!r}")
         return self
@@ -176,12 +179,12 @@ class Profile:
         t = self.trigger
         if "min_k" in t and (not whole(t["min_k"]) or t["min_k"] < 1):
             raise ValueError(f"{where}.trigger.min_k: a whole number >= 1, got {t['min_k']!r}")
-        if "operand_above" in t and (not _number(t["operand_above"]) or t["operand_above"] <= 0):
+        if "operand_above" in t and (not is_number(t["operand_above"]) or t["operand_above"] <= 0):
             raise ValueError(f"{where}.trigger.operand_above: a number > 0, got {t['operand_above']!r}")
         if t and not gemm_only:
             raise ValueError(f"{where}.trigger: GEMM-accumulator faults only (sites)")
         if self.per_gemm is not None:
-            if not _number(self.per_gemm) or not 0 < self.per_gemm <= 1:
+            if not is_number(self.per_gemm) or not 0 < self.per_gemm <= 1:
                 raise ValueError(f"{where}.per_gemm: a probability in (0, 1], got {self.per_gemm!r}")
             if self.timing != "permanent" or not gemm_only:
                 raise ValueError(f"{where}.per_gemm: a permanent (timing) GEMM-accumulator "
@@ -198,10 +201,11 @@ class Profile:
         if drawn(self.patterns) != ["element"]:
             raise ValueError(f"{where}.patterns: the triton backend injects element accumulator "
                              f"faults only, got {drawn(self.patterns)}")
-        other = [k for k in drawn(self.kinds) if k not in ("bitflip", "signflip", "zero")]
+        ok = [k for k in KINDS if HOOK_KIND[k] in L.INJECT_KINDS]
+        other = [k for k in drawn(self.kinds) if k not in ok]
         if other:
-            raise ValueError(f"{where}.kinds: the triton backend injects bitflip, signflip and "
-                             f"zero accumulator faults only, got {other}")
+            raise ValueError(f"{where}.kinds: the triton backend injects {', '.join(ok)} "
+                             f"accumulator faults only, got {other}")
         flips = {"bitflip", "signflip"} & set(drawn(self.kinds))
         if "bitflip" in flips and self.multi_bit > 0:
             raise ValueError(f"{where}.multi_bit: 0 under the triton backend (it flips one bit), "
@@ -295,7 +299,7 @@ def whole(v):
     return isinstance(v, int) and not isinstance(v, bool)
 
 
-def _number(v):
+def is_number(v):
     """A finite int or float (bool is not a number here)."""
     return isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)
 
@@ -457,8 +461,7 @@ def _record(ev, shape, inj, before=None, after=None):
            "size": list(inj.size)}
     if before is not None:
         d = (after.double() - before.double()).abs()
-        changed = (after.view(torch.int32) != before.view(torch.int32)) if after.dtype == torch.float32 \
-            else (after != before)
+        changed = _hook.as_bits(after) != _hook.as_bits(before)
         rec["changed"] = int(changed.sum())
         finite = d[torch.isfinite(d)]
         rec["max_abs_error"] = float(finite.max()) if finite.numel() else 0.0
@@ -580,8 +583,7 @@ class Armed:
         if slot.kind == "stuck":
             _remember(self.ev, slot)          # decided by an earlier call of this micro-step
         inj = injection(self.ev, ctx.shape, ctx.dtype)
-        for name in ("pattern", "kind", "row", "col", "bit", "value", "size", "stride"):
-            setattr(slot, name, getattr(inj, name))
+        slot.retarget(inj)
         _record(self.ev, ctx.shape, inj)
         a = (ctx.operands or (None,))[0]
         self.ev.applied[-1].update(module=ctx.module, phase=ctx.phase,

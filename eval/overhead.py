@@ -243,8 +243,7 @@ def kernel_bench(args):
             ref = a.double() @ b.double()
             torch_err = (torch.matmul(a, b).double() - ref).abs().max().item()
             err = (c.double() - ref).abs().max().item() / max(torch_err, 1e-30)
-            alarms = int(((v[..., L.ROW_RATIO] > 1) | (v[..., L.COL_RATIO] > 1)
-                          | (v[..., L.STATUS] == L.NONFINITE)).sum())
+            alarms = int(L.alarmed(v).sum())
             del ref, c, v
             copies = rotation((a.numel() + b.numel()) * a.element_size(), l2)
             sets = [(a, b)] + [make(g, dtype, dev) for _ in range(copies - 1)]

@@ -60,11 +60,11 @@ class TrainConfig:
                     raise ValueError(f"{where}.{k}: true or false, got {v!r}")
                 continue
             if k == "recompute":
-                if not F._number(v) or not 0 <= v <= 1:
+                if not F.is_number(v) or not 0 <= v <= 1:
                     raise ValueError(f"{where}.recompute: a rate in [0, 1] (0: off), got {v!r}")
                 continue
             if k == "lr":
-                if not F._number(v) or not v > 0:
+                if not F.is_number(v) or not v > 0:
                     raise ValueError(f"{where}.lr: a finite number > 0, got {v!r}")
                 continue
             low = 0 if k in ("seed", "pretrain_steps", "eval_every") else 1

@@ -21,6 +21,7 @@ import sys
 
 import torch
 
+from abft.kernels import backends
 from abft.kernels import layout as L
 from abft.kernels import reference
 
@@ -36,8 +37,7 @@ def _operands(dist, m, k, n, dtype, seed):
 
 
 def _alarmed(v):
-    return bool(((v[..., L.ROW_RATIO] > 1) | (v[..., L.COL_RATIO] > 1)
-                 | (v[..., L.STATUS] == L.NONFINITE)).any())
+    return bool(L.alarmed(v).any())
 
 
 class _Reference:
@@ -126,8 +126,7 @@ def main(argv=None):
                     help="the fused kernel's tile (its sums run over the data tiles inside it)")
     args = ap.parse_args(argv)
     _Kernel.tiles = tuple(args.tiles)
-    dtypes = {"reference": (torch.float32, torch.float64, torch.bfloat16, torch.float16),
-              "triton": (torch.float32, torch.bfloat16, torch.float16)}
+    dtypes = backends.DTYPES
     torch.set_num_threads(1)
     print("| backend | dtype | distribution | K | S = thr / round-off (RMS) | headroom | e95 / RMS(C) | confirmed |")
     print("|---|---|---|---|---|---|---|---|", flush=True)

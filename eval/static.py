@@ -107,7 +107,7 @@ def plans(t, i, o):
                     outs, grid, args, meta = P.launch(x, dm, lay.nparts, r, k_major, False,
                                                       PREPASS_CONFIG["BLOCK_K"])
                     nbytes = 2 * _nbytes(x) + _nbytes(*outs)       # two reads
-                    launches.append((role, "checked", P._prepass_kernel, args, meta,
+                    launches.append((role, "checked", P.prepass_kernel, args, meta,
                                      dict(num_warps=PREPASS_CONFIG["num_warps"],
                                           num_stages=PREPASS_CONFIG["num_stages"]),
                                      0.0, nbytes, per_call))
@@ -123,7 +123,7 @@ def plans(t, i, o):
             tiles = grid[0] * grid[1]
             flops = 2.0 * tiles * bm * bn * k
             nbytes = _nbytes(a3, b3, *outs) + (_nbytes(pa, pb, ar, ab, br, bb, args[6]) if check else 0)
-            launches.append(("main", "checked" if check else "unchecked", TG._checked_gemm_kernel,
+            launches.append(("main", "checked" if check else "unchecked", TG.checked_gemm_kernel,
                              args, meta, dict(num_warps=CONFIG["num_warps"],
                                               num_stages=CONFIG["num_stages"]),
                              flops, nbytes, True))

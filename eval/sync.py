@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from abft.faults import _INT_VIEW
+from abft.faults import as_bits
 
 MODES = ("computation", "parameter", "none")
 
@@ -51,10 +51,7 @@ class Mismatch:
 
 def compare(h, f):
     """Mismatch statistics of f against h (same shape and dtype), or None when bit-identical."""
-    if h.dtype in _INT_VIEW:        # bit for bit (NaN == NaN, -0 != +0); same width: any strides
-        diff = h.view(_INT_VIEW[h.dtype]) != f.view(_INT_VIEW[f.dtype])
-    else:
-        diff = h != f
+    diff = as_bits(h) != as_bits(f)         # bit for bit for floats (NaN == NaN, -0 != +0)
     n = int(diff.sum())
     if n == 0:
         return None
@@ -115,13 +112,13 @@ class DistLink:
         return buf
 
     def send_json(self, obj, src=None):
-        return _bcast_json(obj, self.src if src is None else src, self.group)
+        return bcast_json(obj, self.src if src is None else src, self.group)
 
     def recv_json(self, src=None):
-        return _bcast_json(None, self.src if src is None else src, self.group)
+        return bcast_json(None, self.src if src is None else src, self.group)
 
 
-def _bcast_json(obj, src, group):
+def bcast_json(obj, src, group):
     """A JSON value broadcast as bytes (no pickling between ranks)."""
     import json
 

@@ -137,6 +137,6 @@ def gather(tp, obj):
     """``obj`` (JSON) of every rank of the TP group, by TP rank; ``[obj]`` without TP."""
     if tp is None:
         return [obj]
-    from abft.eval.sync import _bcast_json
-    return [_bcast_json(obj if r == tp.rank else None, src, tp.group)
+    from abft.eval.sync import bcast_json
+    return [bcast_json(obj if r == tp.rank else None, src, tp.group)
             for r, src in enumerate(tp.ranks)]

@@ -26,6 +26,17 @@ def tile(m, n, k, dtype):
     return 128, 128
 
 
+TILE_MIN = 16             # a checked tile keeps at least 8 data rows and columns beside its checksums
+
+
+def tiles_error(bm, bn):
+    """Why (BM, BN) cannot be the fused kernel's tile (powers of two of at least TILE_MIN), or
+    None. The layout may ask for more data rows (``triton_gemm.Layout``)."""
+    if bm & (bm - 1) or bn & (bn - 1) or min(bm, bn) < TILE_MIN:
+        return f"the triton backend's tiles are powers of two of at least {TILE_MIN}, got {(bm, bn)}"
+    return None
+
+
 def configs(bm, bn, dtype, interpret=None):
     """Autotune candidates for one tile. BK 32 or 64 (64 for 2-byte types, whose tiles are half
     the bytes); 4 or 8 warps; 3 or 4 stages (Hopper-class shared memory holds 4 stages of

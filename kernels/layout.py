@@ -28,5 +28,15 @@ NFIELDS = 9
 
 OK, UNVERIFIED, NONFINITE = 0.0, 1.0, 2.0
 
+# The faults the fused kernel injects into one accumulator element (its constexpr INJECT codes);
+# the reference backend corrupts the stored product with any of ``abft.faults.KINDS``.
+INJECT_KINDS = {"bitflip": 1, "add": 2, "zero": 3}
+
+
+def alarmed(v):
+    """Bool (..., TM, TN): the tiles of verdict ``v`` that alarm (the rule above)."""
+    return (v[..., ROW_RATIO] > 1) | (v[..., COL_RATIO] > 1) | (v[..., STATUS] == NONFINITE)
+
+
 FIELD_NAMES = ("row_ratio", "row_fails", "row", "col_ratio", "col_fails", "col",
                "residual", "threshold", "status")

@@ -91,7 +91,7 @@ def _low_entropy(base, stride_r, stride_k, r, r_ok, K, SAMPLES: tl.constexpr):
 
 
 @triton.jit
-def _prepass_kernel(
+def prepass_kernel(
     x_ptr, rows_ptr, blocks_ptr, parts_ptr,
     R, K,
     stride_xb, stride_xr, stride_xk,
@@ -233,7 +233,7 @@ def _impl(x: torch.Tensor, dm: int, nparts: int, pad: int, k_major: bool, tf32: 
           block_k: int) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     outs, grid, args, meta = launch(x, dm, nparts, pad, k_major, tf32, block_k)
     if grid[0] * grid[1]:
-        wrap_triton(_prepass_kernel)[grid](*args, **meta)
+        wrap_triton(prepass_kernel)[grid](*args, **meta)
     return outs
 
 

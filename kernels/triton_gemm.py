@@ -63,13 +63,14 @@ import triton
 import triton.language as tl
 from torch.library import custom_op, triton_op, wrap_triton
 
+from abft.kernels import backends as _backends
 from abft.kernels import configs as _configs
 from abft.kernels import layout as L
 from abft.kernels import prepass as _prepass
 from abft.kernels import threshold as T
 from abft.kernels.threshold import pow2_tl, threshold_tl
 
-INJECT_KINDS = {"bitflip": 1, "add": 2, "zero": 3}
+INJECT_KINDS = L.INJECT_KINDS
 
 # the constants the kernel reads: the layout's fields and status codes, the pre-pass's statistics
 # fields, the coefficients' width (taken from their modules, not retyped)
@@ -111,7 +112,7 @@ def _store_out(acc, c_ptr, d_ptr, pid_b, rm, rn, m_ok, n_ok, alpha, beta,
 
 
 @triton.jit
-def _checked_gemm_kernel(
+def checked_gemm_kernel(
     # operands, output, addend (bias: strides 0, 0, 1)
     a_ptr, b_ptr, c_ptr, d_ptr,
     # the pre-pass's checksum parts: of A's blocks of DM rows (B, TM * RA, K), of B's blocks of DN
@@ -409,7 +410,7 @@ def _autotuned(bm, bn, dtype):
         _tuned[key] = triton.autotune(
             configs=_configs.configs(bm, bn, dtype, interpret=False),
             key=["M", "N", "K", "RA", "RB", "A_VEC", "B_VEC", "CHECK", "CAP", "HAS_ADD", "SCALED", "INJECT", "ALLOW_TF32"],
-        )(_checked_gemm_kernel)
+        )(checked_gemm_kernel)
     return _tuned[key]
 
 
@@ -540,10 +541,10 @@ def _launch_impl(a3: torch.Tensor, b3: torch.Tensor, addend: Optional[torch.Tens
     if grid[0] * grid[1] == 0:
         return outs
     if block_k:
-        kernel = _checked_gemm_kernel
+        kernel = checked_gemm_kernel
         meta.update(BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
     elif _configs.interpreting():
-        kernel = _checked_gemm_kernel
+        kernel = checked_gemm_kernel
         cfg = _configs.configs(bm, bn, a3.dtype)[0]
         meta.update(cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     else:
@@ -610,9 +611,9 @@ def checked_gemm(a, b, bias=None, *, addend=None, alpha=1.0, beta=1.0, tiles=Non
     Example::
 
         c, verdict, _ = checked_gemm(x, w.t(), bias)
-        alarmed = (verdict[..., L.ROW_RATIO] > 1) | (verdict[..., L.COL_RATIO] > 1)
+        alarmed = L.alarmed(verdict)
     """
-    if a.dtype not in (torch.float32, torch.float16, torch.bfloat16) or b.dtype != a.dtype:
+    if a.dtype not in _backends.DTYPES["triton"] or b.dtype != a.dtype:
         raise TypeError(f"checked_gemm: float32/float16/bfloat16 operands of one dtype, got {a.dtype}, {b.dtype}")
     if bias is not None and addend is not None:
         raise TypeError("checked_gemm: give bias or addend, not both")
@@ -635,9 +636,9 @@ def checked_gemm(a, b, bias=None, *, addend=None, alpha=1.0, beta=1.0, tiles=Non
     else:
         bk = min(cf.kwargs["BLOCK_K"] for cf in _configs.configs(bm, bn, a.dtype))
     lay = Layout(a3, b3, a.dtype, bool(tf or emu), check)
-    if bm & (bm - 1) or bn & (bn - 1) or min(bm - lay.ra, bn - lay.rb) < 8:
-        raise ValueError(f"checked_gemm: tiles are powers of two of at least {8 + max(lay.ra, lay.rb)}, "
-                         f"got {(bm, bn)}")
+    why = _configs.tiles_error(bm, bn)
+    if why or min(bm - lay.ra, bn - lay.rb) < 8:
+        raise ValueError(f"checked_gemm: {why or f'tiles hold at least 8 data rows and columns, got {(bm, bn)}'}")
     if check:
         # the pre-pass over the unexpanded operands: a broadcast batch is read once
         key = lay.b_key(bn)

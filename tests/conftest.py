@@ -18,10 +18,17 @@ def _clean_abft():
 
 
 def pytest_configure(config):
+    # The one place the suite chooses how Triton kernels run (triton decides when a kernel is
+    # defined, so before any test module imports one): the interpreter with --interpret or where
+    # there is no GPU; compiled otherwise. An explicit TRITON_INTERPRET is left as it is.
+    if config.getoption("--interpret") or not torch.cuda.is_available():
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     config.addinivalue_line("markers", "slow: minutes under the interpreter; `make test-slow` runs "
                                        "them, `make test` leaves them out")
 
 
 def pytest_addoption(parser):
+    parser.addoption("--interpret", action="store_true",
+                     help="run the Triton kernels under the interpreter even where a GPU is present")
     parser.addoption("--stress-seed", type=int, default=None,
                      help="replay the fresh-seed stress test with this seed")

@@ -27,10 +27,18 @@ def test_bench_runs_on_small_shapes(capsys):
     assert "matmul 64x32x48" in out and "linear 16x8x4" in out
 
 
-def test_interleaved_reports_a_ratio():
+def test_interleaved_reports_the_median_ratio_of_its_pairs(monkeypatch):
+    """interleaved() times checked and plain back to back, alternating their order: with timings
+    of 2, 3, 4, 5, 11 ms against 1 ms its ratio is the median 4 (not the mean 5), its quartiles 2.5
+    and 8."""
     plain, checked = overhead.make_pair("matmul", 32, 32, 32)
+    times = iter([1e-3, 2e-3, 3e-3, 1e-3, 1e-3, 4e-3, 5e-3, 1e-3, 1e-3, 11e-3])
+    calls = []
+    monkeypatch.setattr(overhead, "_time", lambda fn, sync: (calls.append(fn), next(times))[1])
     r = overhead.interleaved(plain, checked, 5)
-    assert r["q1"] <= r["ratio"] <= r["q3"] and r["ratio"] > 0
+    assert calls == [plain, checked, checked, plain, plain, checked, checked, plain, plain, checked]
+    assert (r["ratio"], r["q1"], r["q3"]) == (4.0, 2.5, 8.0)
+    assert (r["plain_ms"], r["checked_ms"]) == (1.0, 4.0)
     assert overhead.parse_shapes("4x5x6,linear:1x2x3") == [("matmul", 4, 5, 6), ("linear", 1, 2, 3)]
 
 

@@ -98,3 +98,16 @@ def test_bad_injections_are_refused():
     with abft.inject(row=500, col=0, kind="zero"):
         with pytest.raises(IndexError):
             abft.matmul(torch.randn(4, 4), torch.randn(4, 4))
+
+
+def test_an_injection_is_validated_however_it_is_built():
+    """The evaluation builds Injection objects and retargets an installed one: both go through
+    the same checks as abft.inject (they used to bypass them)."""
+    from abft.faults import Injection
+    for kw, field in ((dict(kind="melt"), "kind"), (dict(pattern="diagonal", kind="zero"), "pattern"),
+                      (dict(kind="stuck"), "bit")):
+        with pytest.raises(ValueError, match=field):
+            Injection(**kw)
+    slot = Injection(kind="zero", row=1)
+    slot.retarget(Injection(kind="bitflip", bit=[3], row=5, col=6, size=[2, 2]))
+    assert (slot.kind, slot.bit, slot.row, slot.col, slot.size) == ("bitflip", (3,), 5, 6, (2, 2))

@@ -257,3 +257,31 @@ def test_margins_keep_the_worst_clean_ratio_per_op_and_module(capsys):
     assert printed == s["margins"] and "matmul / fc" in out and "mm / proj" in out
     abft.reset()
     assert abft.stats()["margins"] == []
+
+
+def test_recompute_policy_raises_and_logs_an_alarm_in_a_product_given_as_views():
+    """An einsum is checked as views of torch's output: it cannot be recomputed there, so the
+    recompute policy raises the alarm, logged (it used to raise a RuntimeError and lose it)."""
+    a, b = _pair()
+    with abft.config(policy="recompute"):
+        with abft.checked():
+            with abft.inject(row=3, col=4, kind="add", value=9.0):
+                with pytest.raises(abft.SilentCorruptionError) as e:
+                    torch.einsum("ik,kj->ij", a, b)
+    assert (e.value.alarm.row, e.value.alarm.col, e.value.alarm.action) == (3, 4, "raised")
+    assert [(al.op, al.action) for al in abft.alarms()] == [("einsum", "raised")]
+
+
+@pytest.mark.parametrize("tiles", [(48, 17), (8, 8), (1.7, 2), (4,), (64, 64, 64), 5])
+def test_config_refuses_tiles_the_backend_cannot_run_naming_the_field(tiles):
+    """Tiles are two positive ints, and on the triton backend powers of two of at least 16: a bad
+    pair fails at config(), not at the first product on the kernel."""
+    pytest.importorskip("triton")
+    with pytest.raises(ValueError, match="tiles"):
+        abft.config(backend="triton", tiles=tiles)
+    from abft import settings
+    assert settings.get().tiles is None and settings.get().backend == "reference"
+    if tiles in ((48, 17), (8, 8)):
+        with abft.config(tiles=tiles):               # the reference backend takes any size
+            with pytest.raises(ValueError, match="tiles"):
+                abft.config(backend="auto")

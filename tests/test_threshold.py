@@ -86,7 +86,7 @@ def test_error_above_worst_case_bound_detected_and_located(case):
         t = v[i // bm, j // bn]
         assert t[L.ROW_RATIO] > 1 and t[L.COL_RATIO] > 1, f"{ID(case)}: missed an error of {moved:.3g} > bound {w:.3g}"
         assert int(t[L.ROW]) == i and int(t[L.COL]) == j
-        alarmed = (v[..., L.ROW_RATIO] > 1) | (v[..., L.COL_RATIO] > 1)
+        alarmed = L.alarmed(v)
         assert alarmed.sum() == 1, "the alarm must stay in the corrupted tile"
         est = t[L.RESIDUAL].item()
         assert abs(est - (c[i, j].double().item() - before)) <= 0.01 * moved + 2 * w
@@ -272,14 +272,14 @@ def test_power_of_two_invariance_stops_at_the_underflow_allowance():
 
 
 def _alarmed(v):
-    return (v[..., L.ROW_RATIO] > 1) | (v[..., L.COL_RATIO] > 1) | (v[..., L.STATUS] == L.NONFINITE)
+    return L.alarmed(v)
 
 
 def _same_verdict(v, d, v2, d2, rtol):
     assert torch.equal(v[..., L.STATUS], v2[..., L.STATUS])
     for x, y in zip(d, d2):
         assert torch.allclose(x.double(), y.double(), rtol=rtol, atol=1e-30)
-    alarm = lambda v: (v[..., L.ROW_RATIO] > 1) | (v[..., L.COL_RATIO] > 1)
+    alarm = lambda v: L.alarmed(v)
     assert torch.equal(alarm(v), alarm(v2))
 
 

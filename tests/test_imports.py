@@ -1,0 +1,141 @@
+"""Dependencies go one way: abft.kernels <- abft <- abft.eval (the CLI sits on top of both), with no
+cycle anywhere, counting the imports inside functions too (a lazy import hides a cycle, it does
+not remove it). Read from the source, so the test sees every module whether or not it loads."""
+import ast
+import os
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PACKAGES = {"abft": "abft", "abft.kernels": "kernels", "abft.eval": "eval"}
+
+
+def _modules():
+    """{module name: path} of every module of the three packages."""
+    out = {}
+    for pkg, folder in PACKAGES.items():
+        for fn in sorted(os.listdir(os.path.join(ROOT, folder))):
+            if fn.endswith(".py"):
+                name = pkg if fn == "__init__.py" else f"{pkg}.{fn[:-3]}"
+                out[name] = os.path.join(ROOT, folder, fn)
+    return out
+
+
+def _edges(mods):
+    """{module: {imported module of ours: lineno}}: ``from abft import policy`` is an edge to
+    abft.policy, ``from abft.kernels.layout import X`` to abft.kernels.layout; a package's own
+    __init__ run as the parent of a submodule is not counted."""
+    edges = {}
+    for name, path in mods.items():
+        tree = ast.parse(open(path).read(), path)
+        pkg = name if path.endswith("__init__.py") else name.rsplit(".", 1)[0]
+        out = edges[name] = {}
+        for node in ast.walk(tree):
+            targets = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom):
+                base = node.module or ""
+                if node.level:
+                    parts = pkg.split(".")
+                    base = ".".join(parts[:len(parts) - node.level + 1] + ([base] if base else []))
+                targets = [f"{base}.{a.name}" if f"{base}.{a.name}" in mods else base for a in node.names]
+            for t in targets:
+                while t and t not in mods:
+                    t = t.rpartition(".")[0]
+                if t and t != name:
+                    out.setdefault(t, node.lineno)
+    return edges
+
+
+def _layer(name):
+    if name.startswith("abft.kernels"):
+        return 0
+    if name.startswith("abft.eval") or name == "abft.cli":
+        return 2
+    return 1
+
+
+MODS = _modules()
+EDGES = _edges(MODS)
+
+
+def test_the_walk_sees_every_package_and_its_imports():
+    assert {"abft.kernels.layout", "abft.policy", "abft.eval.campaign", "abft.cli"} <= set(MODS)
+    assert "abft.kernels.layout" in EDGES["abft.policy"]
+    assert "abft.kernels.threshold" in EDGES["abft.kernels.reference"]
+
+
+@pytest.mark.parametrize("name", sorted(MODS))
+def test_no_module_imports_a_layer_above_its_own(name):
+    up = {t: line for t, line in EDGES[name].items() if _layer(t) > _layer(name)}
+    assert not up, f"{name} imports {up} (module: line), a layer above it"
+
+
+def test_no_import_cycles():
+    """Tarjan's strongly connected components of the module graph: each must be one module."""
+    index, low, stack, on, comps = {}, {}, [], set(), []
+
+    def visit(v):
+        index[v] = low[v] = len(index)
+        stack.append(v)
+        on.add(v)
+        for w in EDGES[v]:
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            comps.append(comp)
+
+    for v in sorted(EDGES):
+        if v not in index:
+            visit(v)
+    cycles = [sorted(c) for c in comps if len(c) > 1]
+    detail = [{m: {t: line for t, line in EDGES[m].items() if t in c} for m in c} for c in cycles]
+    assert not cycles, f"import cycles (module: {{imports in the cycle: line}}): {detail}"
+
+
+def _package(name):
+    return name if name in PACKAGES else name.rsplit(".", 1)[0]
+
+
+def test_no_module_takes_a_private_name_from_another_package():
+    """A name with a leading underscore is its package's own: another package gets a public one."""
+    bad = []
+    for name, path in MODS.items():
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            if isinstance(node, ast.ImportFrom) and not node.level and (node.module or "") in MODS:
+                for a in node.names:
+                    if a.name.startswith("_") and _package(node.module) != _package(name):
+                        bad.append(f"{name}:{node.lineno} {node.module}.{a.name}")
+            elif isinstance(node, ast.Attribute) and node.attr.startswith("_") \
+                    and not node.attr.startswith("__") and isinstance(node.value, ast.Name):
+                target = _aliases(path).get(node.value.id)
+                if target and _package(target) != _package(name):
+                    bad.append(f"{name}:{node.lineno} {target}.{node.attr}")
+    assert not bad, bad
+
+
+def _aliases(path, cache={}):
+    """{local name: module of ours} for the modules a file imports by name."""
+    if path not in cache:
+        out = cache[path] = {}
+        for node in ast.walk(ast.parse(open(path).read(), path)):
+            if isinstance(node, ast.ImportFrom) and not node.level and node.module:
+                for a in node.names:
+                    if f"{node.module}.{a.name}" in MODS:
+                        out[a.asname or a.name] = f"{node.module}.{a.name}"
+            elif isinstance(node, ast.Import):
+                for a in node.names:
+                    if a.name in MODS and a.asname:
+                        out[a.asname] = a.name
+    return cache[path]
