@@ -1,24 +1,26 @@
 """Checked products with torch's semantics: matmul, mm, bmm, addmm, baddbmm, linear.
 
-Each op computes its result with the torch op itself (so values, shapes, broadcasting and errors
-are torch's), then checks it through the backend, under the current ``abft.scope`` labels and
-``abft.config`` policy. With the kill switch (``enabled=False`` or ``ABFT_DISABLE=1``) each op is
-the plain torch call.
+Each op puts its product in canonical form (a ``Problem``: c = alpha * a @ b + beta * addend)
+and ``run_checked`` checks it on its backend (``VERIFY``) under the current ``abft.scope`` labels,
+then ``policy.act`` carries out the ``abft.config`` policy. On the reference backend the torch op
+computes the result (values, shapes, broadcasting and errors are torch's) and the check follows;
+on the triton backend the fused kernel computes and checks it in one launch. With the kill switch
+(``enabled=False`` or ``ABFT_DISABLE=1``) each op is the plain torch call.
 """
 import math
 import os
 import sys
 import threading
 
+from dataclasses import dataclass, replace
+
 import torch
 import torch.nn.functional as F
 
 from abft import settings as _config
 from abft import context, coverage, decompose, faults, policy
-from abft.alarms import SilentCorruptionError
 from abft.decompose import rows2d
 from abft.kernels import backends, reference
-from abft.kernels import threshold as T
 
 SUPPORTED = backends.DTYPES["reference"]
 
@@ -38,75 +40,93 @@ _sites = {}
 _sites_lock = threading.Lock()
 
 
+@dataclass(eq=False)
 class Problem:
-    """One product in canonical form: out's view c (..., M, N) = alpha * a (..., M, K) @ b
-    + beta * addend."""
+    """One product in canonical form: c (..., M, N) = alpha * a (..., M, K) @ b (..., K, N)
+    + beta * addend, and how to give the op's result and to compute it again.
 
-    def __init__(self, op, a, b, c, alpha=1.0, addend=None, flat_rows=None, beta=1.0):
-        self.op, self.a, self.b, self.c = op, a, b, c
-        self.alpha, self.addend, self.flat_rows = alpha, addend, flat_rows
-        self.beta = float(beta)
-        self.shape, self.dtype = tuple(c.shape), c.dtype
+    ``backend`` says who computes and checks it (``verify``): "reference" (c computed by the torch
+    op, then checked) or "triton" (c is None until the fused kernel computes and checks it)."""
+    op: str
+    a: torch.Tensor
+    b: torch.Tensor
+    c: torch.Tensor = None
+    alpha: float = 1.0
+    addend: torch.Tensor = None        # broadcastable to c (a bias, addmm's input); None: none
+    beta: float = 1.0
+    flat_rows: tuple = None            # c's rows are these leading dims folded (alarm rows)
+    b_stats: object = None             # kept statistics of b (a weight's: ``abft.weightcache``)
+    finish: object = None              # c -> the op's result (None: c itself)
+    again: object = None               # () -> this product computed afresh (None: it cannot be)
+    backend: str = "reference"
 
-    def verify(self, ctx, s):
-        """Apply the fault hook to the computed product, then check it (reference backend)."""
-        if faults.active():
-            faults.apply(self.c, ctx)
-        return _check(self, ctx, s)
+    def __post_init__(self):
+        self.alpha, self.beta = float(self.alpha), float(self.beta)
+        if self.beta == 0:
+            self.addend = None         # torch ignores the input when beta is 0
+
+    @property
+    def shape(self):
+        return tuple(self.a.shape[:-1]) + (self.b.shape[-1],) if self.c is None else tuple(self.c.shape)
+
+    @property
+    def dtype(self):
+        return self.a.dtype if self.c is None else self.c.dtype
+
+    def result(self):
+        return self.c if self.finish is None else self.finish(self.c)
 
 
-class TritonProblem(Problem):
-    """A product the fused kernel computes and checks in one launch, c = alpha * a @ b + beta *
-    addend: verify() runs it, with the fault hook's element faults injected into the accumulator
-    (after the first K step)."""
+def _info(pb, ctx, bm, bn, backend):
+    """The alarm metadata of one checked call."""
+    return dict(op=pb.op, phase=ctx.phase, labels=ctx.labels, call_id=ctx.call_id,
+                rank=context.current_rank(), shapes=(tuple(pb.a.shape), tuple(pb.b.shape)),
+                dtype=str(pb.dtype).replace("torch.", ""), bm=bm, bn=bn, backend=backend,
+                time=policy.now(), flat_rows=pb.flat_rows, action="recorded")
 
-    def __init__(self, op, a, b, bias=None, flat_rows=None, finish=None, *, addend=None,
-                 alpha=1.0, beta=1.0, b_stats=None):
-        self.op, self.a, self.b, self.bias, self.flat_rows = op, a, b, bias, flat_rows
-        self.b_stats = b_stats
-        self.kernel_addend, self.kernel_beta = addend, float(beta)
-        self.alpha, self.c = float(alpha), None
-        # the addend as the reference re-check (policy "correct") sees it
-        self.beta = 1.0 if bias is not None else float(beta)
-        self.addend = bias if bias is not None else (addend if beta != 0 else None)
-        self.shape = tuple(a.shape[:-1]) + (b.shape[-1],)
-        self.dtype = a.dtype
-        self._finish = finish or (lambda c: c)
 
-    def again(self):
-        return TritonProblem(self.op, self.a, self.b, self.bias, self.flat_rows, self._finish,
-                             addend=self.kernel_addend, alpha=self.alpha, beta=self.kernel_beta,
-                             b_stats=self.b_stats)
+def _verify_reference(pb, ctx, s):
+    """The fault hook on the computed product, then the reference check."""
+    if faults.active():
+        faults.apply(pb.c, ctx)
+    return _check(pb, ctx, s)
 
-    def verify(self, ctx, s):
-        from abft.kernels import triton_gemm
-        inject = faults.kernel_injection(ctx) if faults.active() else None
-        tiles = s.tiles or triton_gemm.tiles_for(self.shape[-2], self.shape[-1], self.a.shape[-1], self.dtype)
-        # the verdict's tiles: the kernel's, less its checksum rows and columns
-        bm, bn = triton_gemm.data_tiles(self.a, self.b, tiles)
-        self.c, verdict, detail = triton_gemm.checked_gemm(
-            self.a, self.b, self.bias, addend=self.kernel_addend, alpha=self.alpha,
-            beta=self.kernel_beta, tiles=tiles, inject=inject, lam=s.lam, b_stats=self.b_stats)
-        if self.c.dim() == 2:
-            verdict, detail = verdict[0], (detail[0][0], detail[1][0])
-        info = dict(op=self.op, phase=ctx.phase, labels=ctx.labels, call_id=ctx.call_id,
-                    rank=context.current_rank(), shapes=(tuple(self.a.shape), tuple(self.b.shape)),
-                    dtype=str(self.dtype).replace("torch.", ""), bm=bm, bn=bn, backend="triton",
-                    time=policy.now(), flat_rows=self.flat_rows, action="recorded")
-        return policy.make_pending(verdict, detail, info, context.current().log)
 
-    def finish(self):
-        return self._finish(self.c)
+def _check(pb, ctx, s):
+    """The reference check of pb.c (a pending verdict)."""
+    bm, bn = s.tiles or backends.REFERENCE_TILES
+    m, n = pb.c.shape[-2], pb.c.shape[-1]
+    bm, bn = max(1, min(bm, m)), max(1, min(bn, n))
+    verdict, detail = reference.check(pb.a, pb.b, pb.c, bm=bm, bn=bn, units=reference.units_for(pb.c),
+                                      alpha=pb.alpha, addend=pb.addend, beta=pb.beta, lam=s.lam,
+                                      b_stats=None if pb.b_stats is None else pb.b_stats(bn))
+    return policy.make_pending(verdict, detail, _info(pb, ctx, bm, bn, "reference"),
+                               context.current().log)
+
+
+def _verify_triton(pb, ctx, s):
+    """The fused kernel computes pb.c and checks it, with the fault hook's element faults put
+    into its accumulator (after the first K step)."""
+    from abft.kernels import triton_gemm
+    inject = faults.kernel_injection(ctx) if faults.active() else None
+    m, n = pb.shape[-2], pb.shape[-1]
+    tiles = s.tiles or triton_gemm.tiles_for(m, n, pb.a.shape[-1], pb.dtype)
+    bm, bn = triton_gemm.data_tiles(pb.a, pb.b, tiles)       # the kernel's, less its checksums
+    pb.c, verdict, detail = triton_gemm.checked_gemm(
+        pb.a, pb.b, addend=pb.addend, alpha=pb.alpha, beta=pb.beta, tiles=tiles, inject=inject,
+        lam=s.lam, b_stats=pb.b_stats)
+    if pb.c.dim() == 2:
+        verdict, detail = verdict[0], (detail[0][0], detail[1][0])
+    return policy.make_pending(verdict, detail, _info(pb, ctx, bm, bn, "triton"),
+                               context.current().log)
+
+
+VERIFY = {"reference": _verify_reference, "triton": _verify_triton}
 
 
 def _use_triton(*ts):
     """The backend for these operands: triton when configured (auto: on CUDA tensors)."""
     return backends.runs_on_triton(_config.get().backend, *ts)
-
-
-def _triton(pb, phase="forward", module=None):
-    fresh = run_checked(pb, pb.again, phase=phase, module=module)
-    return (fresh or pb).finish()
 
 
 def _require_float(op, *ts):
@@ -150,10 +170,9 @@ def _sample(op, phase, labels):
     return n % s.sample_every == 0
 
 
-def run_checked(pb, recompute, *, phase="forward", module=None):
-    """Check ``pb`` under the current policy; ``recompute()`` returns a fresh Problem (None: the
-    product cannot be recomputed, and an alarm the policy would recompute is raised).
-    Returns None, or the recomputed Problem whose result replaces the caller's."""
+def run_checked(pb, *, phase="forward", module=None):
+    """Check ``pb`` on its backend under the current labels and policy; returns the op's result
+    (pb's, or its recomputation's under the recompute policy)."""
     s = _config.get()
     sc = context.current()
     labels = dict(sc.labels)
@@ -164,57 +183,36 @@ def run_checked(pb, recompute, *, phase="forward", module=None):
     elif phase == "forward" and torch._C._current_graph_task_id() != -1:
         phase = "recompute"          # a forward run inside backward: activation checkpointing
     call_id = sc.next_call_id()
+    verify = VERIFY[pb.backend]
     if not _sample(pb.op, phase, labels):
         policy.count("sampled_out_calls")
         coverage.count(pb.op, labels.get("module"), "sampled_out")
-        return None
+        if pb.c is None:                 # the fused kernel's product, with its checks compiled out
+            from abft.kernels import triton_gemm
+            pb.c = triton_gemm.checked_gemm(pb.a, pb.b, addend=pb.addend, alpha=pb.alpha,
+                                            beta=pb.beta, check=False)[0]
+        return pb.result()
     coverage.count(pb.op, labels.get("module"), "checked")
     ctx = faults.CallContext(pb.op, phase, labels, call_id, pb.shape, pb.dtype,
                              operands=(pb.a, pb.b))
-    pend = pb.verify(ctx, s)
+    pend = verify(pb, ctx, s)
     ctx.verdict, ctx.tiles = pend.verdict, (pend.info["bm"], pend.info["bn"])
-    if s.policy in ("record", "warn"):
-        pend.info["action"] = "recorded" if s.policy == "record" else "warned"
-        policy.enqueue(pend)
-        return None
-    alarms = policy.resolve_now(pend)
-    if not alarms:
-        return None
-    if s.policy == "raise":
-        for a in alarms:
-            a.action = "raised"
-        policy.emit(alarms, sc.log)
-        raise SilentCorruptionError(alarms[0])
-    if s.policy == "correct":
+
+    def correct(alarms):
         with torch.no_grad():
             for a in alarms:
                 _repair(pb, a)
         ctx.attempt = 1
-        again = policy.resolve_now(_check(pb, ctx, s))
-        if not again:
-            for a in alarms:
-                a.action, a.persistence = "corrected", "transient"
-            policy.emit(alarms, sc.log)
-            return None
-    # recompute (or a correction that did not verify)
-    if recompute is None:               # a product given as views: nothing to recompute it from
-        for a in alarms:
-            a.action = "raised"
-        policy.emit(alarms, sc.log)
-        raise SilentCorruptionError(alarms[0])
-    ctx.attempt = 1
-    pb2 = recompute()
-    again = policy.resolve_now(pb2.verify(ctx, s))
-    persistence = "persistent" if again else "transient"
-    for a in alarms:
-        a.action, a.persistence = "recomputed", persistence
-    policy.emit(alarms, sc.log)
-    if again:
-        for a in again:
-            a.action, a.persistence = "raised", "persistent"
-        policy.emit(again, sc.log)
-        raise SilentCorruptionError(again[0])
-    return pb2
+        return _check(pb, ctx, s)
+
+    def again():
+        ctx.attempt = 1
+        pb2 = pb.again()
+        return pb2, verify(pb2, ctx, s)
+
+    fresh = policy.act(pend, s.policy, sc.log, correct=correct,
+                       again=None if pb.again is None else again)
+    return (fresh or pb).result()
 
 
 def _flat_row(alarm, pb):
@@ -256,30 +254,30 @@ def _repair(pb, alarm):
     c[rows, cols] = val.to(c.dtype)
 
 
-def _check(pb, ctx, s):
-    bm, bn = s.tiles or backends.REFERENCE_TILES
-    m, n = pb.c.shape[-2], pb.c.shape[-1]
-    b_stats = getattr(pb, "b_stats", None)
-    verdict, detail = reference.check(pb.a, pb.b, pb.c, bm=bm, bn=bn, units=reference.units_for(pb.c),
-                                      alpha=pb.alpha, addend=pb.addend, beta=pb.beta, lam=s.lam,
-                                      b_stats=None if b_stats is None else b_stats(max(1, min(bn, n))))
-    info = dict(op=pb.op, phase=ctx.phase, labels=ctx.labels, call_id=ctx.call_id,
-                rank=context.current_rank(),
-                shapes=(tuple(pb.a.shape), tuple(pb.b.shape)), dtype=str(pb.c.dtype).replace("torch.", ""),
-                bm=max(1, min(bm, m)), bn=max(1, min(bn, n)), backend="reference",
-                time=policy.now(), flat_rows=pb.flat_rows, action="recorded")
-    return policy.make_pending(verdict, detail, info, context.current().log)
-
-
-def _finish(op, out, make, phase="forward", module=None):
-    """Shared tail of every op: check ``make(out)`` and return the (possibly recomputed) result."""
-    pb = make(out)
-    fresh = run_checked(pb, lambda: make(pb.recompute()), phase=phase, module=module)
-    return out if fresh is None else fresh.result
-
-
 def enabled():
     return _config.get().enabled
+
+
+def _route(*ts, shape_ok=True):
+    """Where an op runs: "off" (checks disabled: the torch op), "triton" (the fused kernel, for
+    operands it takes under the configured backend) or "reference"."""
+    if not enabled():
+        return "off"
+    return "triton" if shape_ok and _use_triton(*ts) else "reference"
+
+
+def _computed(op, a, b, compute, **kw):
+    """A reference Problem of the product ``compute()`` returns (again: computed afresh)."""
+    pb = Problem(op, a, b, compute(), **kw)
+    pb.again = lambda: replace(pb, c=compute())
+    return pb
+
+
+def _kernel(op, a, b, **kw):
+    """A Problem the fused kernel computes (again: launched afresh)."""
+    pb = Problem(op, a, b, backend="triton", **kw)
+    pb.again = lambda: replace(pb, c=None)
+    return pb
 
 
 @_plain
@@ -298,12 +296,10 @@ def matmul(a, b, *, op="matmul", phase="forward", module=None, a_rg=False, b_rg=
         if plan.squeeze == "a":
             return matmul(a.squeeze(0), b, op=op, phase=phase, module=module, a_rg=a_rg, b_rg=b_rg)
         return matmul(a, b.squeeze(0), op=op, phase=phase, module=module, a_rg=a_rg, b_rg=b_rg)
-    if _use_triton(a, b):
-        return _triton(_triton_matmul(plan, a, b, op, b_stats), phase, module)
-    pb = _matmul_problem(plan, a, b, op, b_stats)
-    fresh = run_checked(pb, lambda: _matmul_problem(plan, a, b, op, b_stats), phase=phase,
-                        module=module)
-    return (fresh or pb).finish()
+    x, y, flat, fin, compute = _canonical(plan, a, b)
+    kw = dict(flat_rows=flat, finish=fin, b_stats=_kept(y, b, b_stats))
+    pb = _kernel(op, x, y, **kw) if _use_triton(a, b) else _computed(op, x, y, compute, **kw)
+    return run_checked(pb, phase=phase, module=module)
 
 
 def _kept(y, b, b_stats):
@@ -312,23 +308,6 @@ def _kept(y, b, b_stats):
     same = y.dim() == 2 and y.shape == b.shape and y.stride() == b.stride() and \
         y.data_ptr() == b.data_ptr()
     return b_stats if same else None
-
-
-def _triton_matmul(plan, a, b, op, b_stats=None):
-    """torch.matmul's decomposition with the product on the fused kernel."""
-    x, y, flat, fin, _ = _canonical(plan, a, b)
-    return TritonProblem(op, x, y, flat_rows=flat, finish=fin, b_stats=_kept(y, b, b_stats))
-
-
-def _matmul_problem(plan, a, b, op, b_stats=None):
-    """Compute the product the way torch.matmul does and return it as a checkable Problem whose
-    ``finish()`` gives torch.matmul's result."""
-    x, y, flat, fin, compute = _canonical(plan, a, b)
-    c = compute()
-    pb = Problem(op, x, y, c, flat_rows=flat)
-    pb.b_stats = _kept(y, b, b_stats)
-    pb.finish = lambda: fin(c)
-    return pb
 
 
 def _canonical(plan, a, b):
@@ -360,91 +339,80 @@ def _canonical(plan, a, b):
 @_plain
 def mm(a, b, *, op="mm", phase="forward", module=None):
     """Checked ``torch.mm``: (M, K) @ (K, N)."""
-    if enabled() and _use_triton(a, b) and a.dim() == 2 and b.dim() == 2:
-        return _triton(TritonProblem(op, a, b), phase, module)
-    out = torch.mm(a, b)
-    if not enabled():
-        return out
+    route = _route(a, b, shape_ok=a.dim() == 2 and b.dim() == 2)
+    if route == "triton":
+        return run_checked(_kernel(op, a, b), phase=phase, module=module)
+    if route == "off":
+        return torch.mm(a, b)
+    pb = _computed(op, a, b, lambda: torch.mm(a, b))
     _require_float(op, a, b)
-    return _finish(op, out, lambda o: _simple(op, a, b, o, lambda: torch.mm(a, b)), phase, module)
+    return run_checked(pb, phase=phase, module=module)
 
 
 @_plain
 def bmm(a, b, *, op="bmm", phase="forward", module=None):
     """Checked ``torch.bmm``: (B, M, K) @ (B, K, N)."""
-    if enabled() and _use_triton(a, b) and a.dim() == 3 and b.dim() == 3 and a.shape[0] == b.shape[0]:
-        return _triton(TritonProblem(op, a, b), phase, module)
-    out = torch.bmm(a, b)
-    if not enabled():
-        return out
+    route = _route(a, b, shape_ok=a.dim() == 3 and b.dim() == 3 and a.shape[0] == b.shape[0])
+    if route == "triton":
+        return run_checked(_kernel(op, a, b), phase=phase, module=module)
+    if route == "off":
+        return torch.bmm(a, b)
+    pb = _computed(op, a, b, lambda: torch.bmm(a, b))
     _require_float(op, a, b)
-    return _finish(op, out, lambda o: _simple(op, a, b, o, lambda: torch.bmm(a, b)), phase, module)
-
-
-def _simple(op, a, b, out, again, alpha=1.0, addend=None, beta=1.0):
-    pb = Problem(op, a, b, out, alpha=alpha, addend=addend, beta=beta)
-    pb.result, pb.recompute = out, again
-    return pb
+    return run_checked(pb, phase=phase, module=module)
 
 
 @_plain
 def addmm(input, mat1, mat2, *, beta=1, alpha=1, module=None):
     """Checked ``torch.addmm``: beta * input + alpha * (mat1 @ mat2)."""
-    if enabled() and _use_triton(input, mat1, mat2) and mat1.dim() == 2 and mat2.dim() == 2:
-        return _triton(TritonProblem("addmm", mat1, mat2, addend=input, alpha=alpha, beta=beta),
-                       module=module)
-    out = torch.addmm(input, mat1, mat2, beta=beta, alpha=alpha)
-    if not enabled():
-        return out
+    kw = dict(addend=input, alpha=alpha, beta=beta)
+    route = _route(input, mat1, mat2, shape_ok=mat1.dim() == 2 and mat2.dim() == 2)
+    if route == "triton":
+        return run_checked(_kernel("addmm", mat1, mat2, **kw), module=module)
+    if route == "off":
+        return torch.addmm(input, mat1, mat2, beta=beta, alpha=alpha)
+    pb = _computed("addmm", mat1, mat2, lambda: torch.addmm(input, mat1, mat2, beta=beta, alpha=alpha), **kw)
     _require_float("addmm", input, mat1, mat2)
-    return _finish("addmm", out, lambda o: _simple(
-        "addmm", mat1, mat2, o, lambda: torch.addmm(input, mat1, mat2, beta=beta, alpha=alpha),
-        alpha=float(alpha), addend=None if beta == 0 else input, beta=beta), module=module)
+    return run_checked(pb, module=module)
 
 
 @_plain
 def baddbmm(input, batch1, batch2, *, beta=1, alpha=1, module=None):
     """Checked ``torch.baddbmm``: beta * input + alpha * (batch1 @ batch2)."""
-    if (enabled() and _use_triton(input, batch1, batch2) and batch1.dim() == 3 and batch2.dim() == 3
-            and batch1.shape[0] == batch2.shape[0]):
-        return _triton(TritonProblem("baddbmm", batch1, batch2, addend=input, alpha=alpha, beta=beta),
-                       module=module)
-    out = torch.baddbmm(input, batch1, batch2, beta=beta, alpha=alpha)
-    if not enabled():
-        return out
+    kw = dict(addend=input, alpha=alpha, beta=beta)
+    route = _route(input, batch1, batch2, shape_ok=batch1.dim() == 3 and batch2.dim() == 3
+                   and batch1.shape[0] == batch2.shape[0])
+    if route == "triton":
+        return run_checked(_kernel("baddbmm", batch1, batch2, **kw), module=module)
+    if route == "off":
+        return torch.baddbmm(input, batch1, batch2, beta=beta, alpha=alpha)
+    pb = _computed("baddbmm", batch1, batch2,
+                   lambda: torch.baddbmm(input, batch1, batch2, beta=beta, alpha=alpha), **kw)
     _require_float("baddbmm", input, batch1, batch2)
-    return _finish("baddbmm", out, lambda o: _simple(
-        "baddbmm", batch1, batch2, o,
-        lambda: torch.baddbmm(input, batch1, batch2, beta=beta, alpha=alpha),
-        alpha=float(alpha), addend=None if beta == 0 else input, beta=beta), module=module)
+    return run_checked(pb, module=module)
 
 
 @_plain
 def linear(input, weight, bias=None, *, module=None, weight_stats=None):
     """Checked ``F.linear``: input (..., in) @ weight.T (out, in) + bias (out,)."""
-    if enabled() and _use_triton(input, weight) and input.dim() >= 2 and (bias is None or bias.dim() == 1):
-        x2 = rows2d(input)
+    route = _route(input, weight, shape_ok=input.dim() >= 2 and (bias is None or bias.dim() == 1))
+    if route == "off":
+        return F.linear(input, weight, bias)
+    if route == "triton":
         lead = tuple(input.shape[:-1])
-        return _triton(TritonProblem("linear", x2, weight.t(), bias, lead if len(lead) > 1 else None,
-                                     lambda c: c.view(*lead, c.shape[-1]), b_stats=weight_stats),
-                       "forward", module)
-    out = F.linear(input, weight, bias)
-    if not enabled():
-        return out
+        pb = _kernel("linear", rows2d(input), weight.t(), addend=bias, b_stats=weight_stats,
+                     flat_rows=lead if len(lead) > 1 else None,
+                     finish=lambda c: c.view(*lead, c.shape[-1]))
+        return run_checked(pb, module=module)
     _require_float("linear", input, weight, *(() if bias is None else (bias,)))
-    return _finish("linear", out, lambda o: _linear_problem(input, weight, bias, o, weight_stats),
-                   module=module)
 
-
-def _linear_problem(x, w, bias, out, weight_stats=None):
-    if x.dim() == 1:
-        a, c, flat = x.unsqueeze(0), out.unsqueeze(0), None
-    else:
-        a, c, flat = _fold(x, out)
-    pb = Problem("linear", a, w.t(), c, addend=bias, flat_rows=flat)
-    pb.b_stats = weight_stats
-    pb.result, pb.recompute = out, lambda: F.linear(x, w, bias)
-    return pb
+    def problem(out):                   # c: out's canonical view (leading dims folded into rows)
+        x = input.unsqueeze(0) if input.dim() == 1 else input
+        a, c, flat = _fold(x, out.view(*x.shape[:-1], out.shape[-1]))
+        return Problem("linear", a, weight.t(), c, addend=bias, flat_rows=flat,
+                       b_stats=weight_stats, finish=lambda _: out,
+                       again=lambda: problem(F.linear(input, weight, bias)))
+    return run_checked(problem(F.linear(input, weight, bias)), module=module)
 
 
 @_plain
@@ -455,4 +423,4 @@ def check_views(op, a, b, c, *, module=None, phase="forward"):
     if not enabled():
         return
     _require_float(op, a, b)
-    run_checked(Problem(op, a, b, c), None, phase=phase, module=module)
+    run_checked(Problem(op, a, b, c), phase=phase, module=module)

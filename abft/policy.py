@@ -17,7 +17,7 @@ import torch
 
 from abft import coverage
 from abft import settings as _config
-from abft.alarms import Alarm, default_log
+from abft.alarms import Alarm, SilentCorruptionError, default_log
 from abft.kernels import layout as L
 
 
@@ -206,6 +206,50 @@ def resolve_now(p):
     if _count(p.summary.tolist(), p.info):
         return alarms_of(p, None)
     return []
+
+
+def act(p, policy, log, *, correct, again):
+    """Carry out ``policy`` on one checked call's pending verdict ``p``.
+
+    record, warn: queue it (resolved lazily). Otherwise resolve it now and, if it alarmed:
+    raise: raise. correct: ``correct(alarms)`` repairs what they point at and returns the
+    re-check's pending verdict; a repair that verifies ends there ("corrected"). recompute (or
+    a correction that did not verify): ``again()`` returns (the fresh computation, its pending
+    verdict); a clean one replaces the result ("recomputed", transient), an alarmed one raises
+    (persistent). ``again`` None: nothing to recompute from, the alarm is raised.
+    Returns None, or the fresh computation whose result the caller returns."""
+    if policy in ("record", "warn"):
+        p.info["action"] = "recorded" if policy == "record" else "warned"
+        enqueue(p)
+        return None
+    alarms = resolve_now(p)
+    if not alarms:
+        return None
+    if policy == "correct":
+        if not resolve_now(correct(alarms)):
+            _mark(alarms, "corrected", "transient")
+            emit(alarms, log)
+            return None
+    if policy == "raise" or again is None:
+        _mark(alarms, "raised")
+        emit(alarms, log)
+        raise SilentCorruptionError(alarms[0])
+    fresh, p2 = again()
+    still = resolve_now(p2)
+    _mark(alarms, "recomputed", "persistent" if still else "transient")
+    emit(alarms, log)
+    if still:
+        _mark(still, "raised", "persistent")
+        emit(still, log)
+        raise SilentCorruptionError(still[0])
+    return fresh
+
+
+def _mark(alarms, action, persistence=None):
+    for a in alarms:
+        a.action = action
+        if persistence is not None:
+            a.persistence = persistence
 
 
 def pending():

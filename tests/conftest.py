@@ -17,6 +17,20 @@ def _clean_abft():
     abft.reset()
 
 
+@pytest.fixture(params=["reference", "triton"])
+def backend(request):
+    """The API contract on both backends: the test body runs under abft.config(backend=...)
+    (triton: under the interpreter, or on a GPU)."""
+    import abft
+    if request.param == "triton":
+        pytest.importorskip("triton")
+        from abft.kernels import configs
+        if not configs.interpreting() and not torch.cuda.is_available():
+            pytest.skip("the triton backend needs TRITON_INTERPRET=1 or a GPU")
+    with abft.config(backend=request.param):
+        yield request.param
+
+
 def pytest_configure(config):
     # The one place the suite chooses how Triton kernels run (triton decides when a kernel is
     # defined, so before any test module imports one): the interpreter with --interpret or where

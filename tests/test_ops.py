@@ -75,6 +75,7 @@ def test_transposed_and_strided_views():
     (torch.matmul, (torch.randn(3, 4), torch.randn(4, 5, dtype=torch.float64))),
     (torch.matmul, (torch.randn(2, 3, 4), torch.randn(3, 4, 5))),
 ])
+@pytest.mark.usefixtures("backend")
 def test_bad_input_raises_like_torch(fn, args):
     with pytest.raises(Exception) as theirs:
         fn(*args)
@@ -83,6 +84,7 @@ def test_bad_input_raises_like_torch(fn, args):
 
 
 @pytest.mark.parametrize("dtype", [torch.int64, torch.int32, torch.complex64])
+@pytest.mark.usefixtures("backend")
 def test_unsupported_dtypes_get_a_clear_error(dtype):
     a = torch.ones(3, 4, dtype=dtype)
     with pytest.raises(TypeError, match="float32, float16, bfloat16 and float64"):
@@ -90,6 +92,7 @@ def test_unsupported_dtypes_get_a_clear_error(dtype):
 
 
 @pytest.mark.parametrize("sa,sb", [((0, 5), (5, 3)), ((4, 5), (5, 0)), ((4, 0), (0, 3)), ((2, 0, 3), (3, 4))])
+@pytest.mark.usefixtures("backend")
 def test_zero_size(sa, sb):
     a, b = torch.randn(sa), torch.randn(sb)
     assert torch.equal(abft.matmul(a, b), torch.matmul(a, b))
@@ -137,6 +140,7 @@ def test_fp16_overflow_is_unverified():
     assert abft.stats()["unverified_calls"] == 1
 
 
+@pytest.mark.usefixtures("backend")
 def test_disabled_is_plain_torch():
     a = torch.ones(3, 4, dtype=torch.int64)
     with abft.config(enabled=False):
@@ -145,6 +149,7 @@ def test_disabled_is_plain_torch():
     assert abft.stats().get("checked_calls", 0) == 0
 
 
+@pytest.mark.usefixtures("backend")
 def test_env_kill_switch():
     import subprocess, sys
     code = ("import torch, abft; abft.matmul(torch.randn(4, 4), torch.randn(4, 4)); "
@@ -165,6 +170,7 @@ def test_tiles_from_config_are_recorded():
 
 
 @pytest.mark.parametrize("k", [1, 5, 64, 300])
+@pytest.mark.usefixtures("backend")
 def test_all_zero_operands_do_not_alarm(k):
     for dt in (torch.float32, torch.float64, torch.bfloat16):
         a, b = torch.zeros(40, k, dtype=dt), torch.randn(k, 30).to(dt)
