@@ -9,8 +9,8 @@ setup(
     version=version["__version__"],
     description="Checked GEMMs (Huang-Abraham checksums) against silent data corruption in training",
     python_requires=">=3.10",
-    packages=["abft", "abft.kernels", "abft.eval"],
-    package_dir={"abft": "abft", "abft.kernels": "kernels", "abft.eval": "eval"},
+    packages=["abft", "abft.kernels", "abft.eval", "abft.bench"],
+    package_dir={"abft": "abft", "abft.kernels": "kernels", "abft.eval": "eval", "abft.bench": "bench"},
     install_requires=["torch>=2.4", "numpy", "matplotlib"],
     extras_require={
         "triton": ["triton"],

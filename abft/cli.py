@@ -115,7 +115,7 @@ def main(argv=None):
     d.add_argument("--bit", type=int, default=22, help="bit of the float32 element to flip")
     d.add_argument("--seed", type=int, default=0)
     bn = sub.add_parser("bench", help="overhead of checked against plain products (interleaved)")
-    from abft.eval import overhead
+    from abft.bench import overhead
     overhead.add_arguments(bn)
     ev = sub.add_parser("eval", help="a detection-coverage campaign: paired replicas, faults, report")
     ev.add_argument("config", nargs="?", help="campaign config (TOML or JSON); default: embedded")

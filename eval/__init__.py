@@ -1,2 +1,3 @@
-"""The evaluation harness (installed as ``abft.eval``): overhead benchmarks now; paired-replica
-detection-coverage campaigns come with the evaluation issue."""
+"""The detection-coverage evaluation (installed as ``abft.eval``; ``abft eval``): paired
+replicas of one deterministic training run, faults injected into one, compared submodule by
+submodule and step by step, alarms cross-checked against the mismatches, and the report."""

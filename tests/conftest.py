@@ -5,6 +5,8 @@ import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+# the one-off scripts of benchmarks/ (not installed), for their smoke tests
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks"))
 
 
 @pytest.fixture(autouse=True)

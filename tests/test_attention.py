@@ -133,7 +133,7 @@ def test_the_sdpa_decomposition_gradients_equal_torchs_softmax_path():
 
 
 def test_the_cost_bench_runs(capsys):
-    from abft.eval import attnbench
+    import attnbench                    # benchmarks/attnbench.py (conftest puts it on the path)
     assert attnbench.main(["--shapes", "1x2x16x8", "--reps", "3", "--threads", "1"]) == 0
     out = capsys.readouterr().out
     assert out.splitlines()[-1].startswith("| 1x2x16x8 |") and out.splitlines()[-1].count("(") == 2

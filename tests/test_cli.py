@@ -6,7 +6,7 @@ import torch
 
 import abft
 from abft import cli
-from abft.eval import overhead
+from abft.bench import overhead
 
 
 def test_version():
@@ -58,7 +58,7 @@ def test_bench_cuda_smoke_runs_the_kernel_path(capsys):
 
 
 def test_bench_rotation_covers_twice_the_l2():
-    from abft.eval.overhead import rotation
+    from abft.bench.overhead import rotation
     assert rotation(64 << 20, 50 << 20) == 2 and rotation(1 << 20, 50 << 20) == 64
     assert rotation(10 << 20, 50 << 20) * (10 << 20) >= 2 * (50 << 20)
 

@@ -1,4 +1,4 @@
-"""Dependencies go one way: abft.kernels <- abft <- abft.eval (the CLI sits on top of both), with no
+"""Dependencies go one way: abft.kernels <- abft <- abft.eval and abft.bench (the CLI sits on top), no
 cycle anywhere, counting the imports inside functions too (a lazy import hides a cycle, it does
 not remove it). Read from the source, so the test sees every module whether or not it loads."""
 import ast
@@ -7,7 +7,7 @@ import os
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-PACKAGES = {"abft": "abft", "abft.kernels": "kernels", "abft.eval": "eval"}
+PACKAGES = {"abft": "abft", "abft.kernels": "kernels", "abft.eval": "eval", "abft.bench": "bench"}
 
 
 def _modules():
@@ -51,7 +51,7 @@ def _edges(mods):
 def _layer(name):
     if name.startswith("abft.kernels"):
         return 0
-    if name.startswith("abft.eval") or name == "abft.cli":
+    if name.startswith(("abft.eval", "abft.bench")) or name == "abft.cli":
         return 2
     return 1
 

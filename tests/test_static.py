@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from abft.eval import sass, static
+from abft.bench import sass, static
 
 HERE = os.path.dirname(__file__)
 

@@ -339,9 +339,9 @@ def test_record_policy_call_is_capturable_in_a_cuda_graph():
 
 
 def test_bitflip_table_script_runs():
-    """eval/bitflips.py (the BENCHMARKS per-bit table) on a small K: exponent flips are always
+    """benchmarks/bitflips.py (the BENCHMARKS per-bit table) on a small K: exponent flips are always
     seen, and every flip above the bf16 rounding of its element is detected."""
-    from abft.eval import bitflips
+    import bitflips                     # benchmarks/bitflips.py
     rows = bitflips.run(m=32, k=256, n=32, trials=2, bits=[3, 30])
     assert [r["bit"] for r in rows] == [3, 30] and rows[1]["fused"] == 1.0
     assert all(r["above_detected"] == r["above_rounding"] for r in rows)
@@ -380,7 +380,7 @@ def test_huge_accumulator_fault_is_an_alarm_not_unverified():
     table). Squares are clamped, so the huge error is alarmed at its element."""
     import triton
     bk128 = triton.Config({"BLOCK_K": 128}, num_warps=4, num_stages=1)
-    g = torch.Generator().manual_seed(30 * 1009 + 9)        # eval/bitflips.py's trial 9 of bit 30
+    g = torch.Generator().manual_seed(30 * 1009 + 9)        # benchmarks/bitflips.py's trial 9 of bit 30
     a = torch.randn(32, 4096, generator=g).to(torch.bfloat16)
     b = torch.randn(4096, 32, generator=g).to(torch.bfloat16)
     c, v, _ = TG.checked_gemm(a, b, config=bk128,

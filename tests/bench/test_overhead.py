@@ -1,9 +1,9 @@
 """pytest-benchmark of checked against plain products (float32, CPU). `make test` runs these
 once each with --benchmark-disable (as smoke tests); `pytest tests/bench` times them.
-BENCHMARKS.md's table comes from `abft bench` (eval/overhead.py), which interleaves the pairs."""
+BENCHMARKS.md's table comes from `abft bench` (bench/overhead.py), which interleaves the pairs."""
 import pytest
 
-from abft.eval.overhead import make_pair
+from abft.bench.overhead import make_pair
 
 SHAPES = [("matmul", 512, 512, 512), ("matmul", 1024, 1024, 1024), ("linear", 1024, 1024, 1024)]
 
@@ -23,7 +23,7 @@ def test_product(benchmark, kind, m, k, n, which):
 def test_train_step(benchmark, which):
     import abft
     from abft.eval.models import bench_gpt
-    from abft.eval.overhead import train_step_pair
+    from abft.bench.overhead import train_step_pair
     plain, checked = train_step_pair(bench_gpt)
     loss = benchmark(plain if which == "plain" else checked)
     assert loss.isfinite()

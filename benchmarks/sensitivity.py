@@ -1,6 +1,6 @@
 """Sensitivity of the checks in V-ABFT's terms, for both backends and every dtype.
 
-    TRITON_INTERPRET=1 python -m abft.eval.sensitivity [--k 256 4096] [--trials 20]
+    TRITON_INTERPRET=1 python benchmarks/sensitivity.py [--k 256 4096] [--trials 20]
 
 Per case (backend, dtype, distribution of the stress set, K; M = N = 64, seed 0; the reference's
 tiles 32 x 32, the kernel's 64 x 64, its sums over its data tiles):

@@ -275,7 +275,7 @@ def static_bench(args):
     """``--static``: bad input gets one line naming the option and exit 2, before any compile."""
     import os
     import sys
-    from abft.eval import static
+    from abft.bench import static
     if args.arch not in tuple(str(a) for a in static.ARCHS):
         print(f"abft bench: --arch must be one of {', '.join(str(a) for a in static.ARCHS)}, "
               f"got {args.arch!r}", file=sys.stderr)

@@ -1,7 +1,7 @@
 """Detection rate per bit of a flipped accumulator element, bf16 GEMMs: the fused kernel (checks on
 the fp32 accumulator) against the reference backend (checks of the stored bf16 output).
 
-    TRITON_INTERPRET=1 python -m abft.eval.bitflips --k 4096 --trials 12
+    TRITON_INTERPRET=1 python benchmarks/bitflips.py --k 4096 --trials 12
 
 Each trial: a fresh seeded bf16 product (M x K x N), one element, one K step, one bit of its fp32
 accumulator flipped in the kernel. The reference sees the same corruption as the kernel's own

@@ -1,4 +1,4 @@
-"""What the softmax invariants of checked attention cost (``python -m abft.eval.attnbench``).
+"""What the softmax invariants of checked attention cost (``python benchmarks/attnbench.py``).
 
 Two comparisons per shape (batch, heads, queries = keys, head width), the median ratio of
 back-to-back pairs (``overhead.interleaved``) and its quartiles: torch's own attention (QK^T, softmax, PV, forward and backward) with ``torch.softmax``
@@ -14,8 +14,8 @@ import torch.nn.functional as F
 def main(argv=None):
     import abft
     from abft import attention, mode
-    from abft.eval.overhead import interleaved
-    ap = argparse.ArgumentParser(prog="python -m abft.eval.attnbench")
+    from abft.bench.overhead import interleaved
+    ap = argparse.ArgumentParser(prog="python benchmarks/attnbench.py")
     ap.add_argument("--shapes", default="8x4x128x64,8x4x256x64,4x8x512x64")
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--threads", type=int, default=2)

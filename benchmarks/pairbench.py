@@ -1,5 +1,5 @@
 """Cost of a paired, computation-synced step against one plain and one checked training step of
-the same model (``python -m abft.eval.pairbench``): medians of interleaved rounds, one run."""
+the same model (``python benchmarks/pairbench.py``): medians of interleaved rounds, one run."""
 import statistics
 import time
 

@@ -1,4 +1,4 @@
-"""Whole-step cost of ``abft.StepGuard`` (``python -m abft.eval.guardbench``): a GPT training step
+"""Whole-step cost of ``abft.StepGuard`` (``python benchmarks/guardbench.py``): a GPT training step
 plain, guarded with every GEMM checked, and guarded with 1-in-10 sampling, as medians of
 interleaved rounds in one run; plus the guard's own cost (the per-step resolve, timed inside
 the guard) and one guard all-reduce over gloo between 2 local ranks, timed directly."""

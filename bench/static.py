@@ -5,7 +5,7 @@ kernel with its checks compiled out are compiled for sm_90a (or sm_80) with the 
 specialisations a real launch at the LLM shapes gets (strides of 1 as constants, sizes and strides
 divisible by 16 marked so), from the same launch plans the kernels run with (``launch`` in
 ``kernels/triton_gemm.py`` and ``kernels/prepass.py``, on "meta" tensors). Each cubin is read with
-``cuobjdump`` (``eval/sass.py``): registers, spills, the main loop's instructions by opcode.
+``cuobjdump`` (``bench/sass.py``): registers, spills, the main loop's instructions by opcode.
 
 The cost model is a roofline, and says so: each launch takes max(FLOPs / peak, bytes / bandwidth)
 at H200 peaks (989 TFLOP/s dense bf16, 4.8 TB/s HBM), launches add up, nothing overlaps. FLOPs are
@@ -137,7 +137,7 @@ def roofline(flops, nbytes):
 
 def run(out_dir, arch=90, shapes=SHAPES, stream=sys.stdout):
     """Compile, read, estimate; write ``out_dir/report.json`` and the cubins; return the report."""
-    from abft.eval import sass
+    from abft.bench import sass
     os.makedirs(out_dir, exist_ok=True)
     kernels, cost, seen = [], [], {}
     for t, i, o in shapes:

@@ -1,0 +1,4 @@
+"""``abft bench``: what the checks cost. ``overhead`` times checked against plain products and a
+training step (CPU or GPU, interleaved pairs) and the fused kernel against cuBLAS; ``static``
+compiles every kernel a checked call launches for a Hopper (or Ampere) GPU without one and
+``sass`` reads the compiled code (loop instructions, spills, tensor-core instructions)."""
