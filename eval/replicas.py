@@ -27,7 +27,7 @@ import torch
 
 import abft
 from abft.alarms import AlarmLog
-from abft.eval import faults as F
+from abft.eval import faults as fm
 from abft.eval.models import GPT, GPTConfig, Task
 from abft.eval.sync import LocalLink, Sync
 
@@ -60,15 +60,15 @@ class TrainConfig:
                     raise ValueError(f"{where}.{k}: true or false, got {v!r}")
                 continue
             if k == "recompute":
-                if not F.is_number(v) or not 0 <= v <= 1:
+                if not fm.is_number(v) or not 0 <= v <= 1:
                     raise ValueError(f"{where}.recompute: a rate in [0, 1] (0: off), got {v!r}")
                 continue
             if k == "lr":
-                if not F.is_number(v) or not v > 0:
+                if not fm.is_number(v) or not v > 0:
                     raise ValueError(f"{where}.lr: a finite number > 0, got {v!r}")
                 continue
             low = 0 if k in ("seed", "pretrain_steps", "eval_every") else 1
-            if not F.whole(v) or v < low:
+            if not fm.whole(v) or v < low:
                 raise ValueError(f"{where}.{k}: a whole number >= {low}, got {v!r}")
         if self.dim % self.heads:
             raise ValueError(f"{where}.dim: a multiple of heads ({self.heads}), got {self.dim}")
@@ -139,7 +139,7 @@ class GradLink(abft.CommCheck):
         super().communicate(kind, out, inp, group, op)
         for ev, off, shape in self.faults:
             n = shape.numel()
-            F.corrupt(ev, out[off:off + n].view(shape))
+            fm.corrupt(ev, out[off:off + n].view(shape))
 
 
 class Replica:
@@ -173,7 +173,7 @@ class Replica:
         sync, total = self.sync, 0.0
         for m, (x, y) in enumerate(micro):
             sync.step, sync.micro_step = s, m
-            armed = [F.Armed(e, self.model, self.opt, self.params) for e in events
+            armed = [fm.Armed(e, self.model, self.opt, self.params) for e in events
                      if (e.micro_step == m or e.every_micro_step) and e.site != "gradient_comm"]
             try:
                 with abft.scope(step=s, micro_step=m, replica=self.role, log=self.log), \
@@ -192,7 +192,7 @@ class Replica:
             with abft.scope(step=s, micro_step=len(micro) - 1, replica=self.role, log=self.log):
                 self.comm.reduce(self.params, comm)
         for e in comm if self.comm is None else ():
-            F.Armed(e, self.model, self.opt, self.params).grads(self.params)
+            fm.Armed(e, self.model, self.opt, self.params).grads(self.params)
         named = list(self.model.named_parameters())
         dev = sync.grads(named)
         if self.rest is not None:       # detection only: the evaluation scores it, restores nothing
@@ -234,7 +234,7 @@ def run_trial(trial, cfg, base, link=None, role=None):
     reps = {r: Replica(r, cfg, base, Sync(r, link, mode, trial.get("modules")), tp)
             for r in roles}
     fseed = trial.get("fault_seed", seed)
-    events = F.schedule(prof, cfg.steps, cfg.micro_steps, F.targets(reps[roles[0]].model), fseed)
+    events = fm.schedule(prof, cfg.steps, cfg.micro_steps, fm.targets(reps[roles[0]].model), fseed)
     fault_rank = fseed % tp.size if tp is not None else 0
     mine = events if tp is None or tp.rank == fault_rank else []
     t0 = time.perf_counter()

@@ -11,6 +11,14 @@ DTYPES = {"reference": (torch.float32, torch.float16, torch.bfloat16, torch.floa
 REFERENCE_TILES = (256, 256)
 
 
+def tf32_allowed(device):
+    """Whether torch lets float32 GEMMs on ``device`` use tf32 (CUDA: ``allow_tf32``; CPU: a
+    float32 matmul precision below "highest")."""
+    if device.type == "cuda":
+        return torch.backends.cuda.matmul.allow_tf32
+    return torch.get_float32_matmul_precision() != "highest"
+
+
 def resolve(backend, cuda):
     """The backend that runs: ``auto`` is triton on CUDA, reference elsewhere."""
     if backend == "auto":

@@ -145,9 +145,9 @@ def prepass_kernel(
         xs = xf * row_a[:, None] * row_b[:, None]
         r1 += tl.sum(xs * xs, 1)
         xb = xf * blk_a * blk_b
-        alpha = tl.sum(xb * xb, 0)
-        x1 += tl.sum(alpha, 0)
-        xinf = tl.maximum(xinf, tl.max(alpha, 0))
+        sqsum = tl.sum(xb * xb, 0)
+        x1 += tl.sum(sqsum, 0)
+        xinf = tl.maximum(xinf, tl.max(sqsum, 0))
         s = tl.sum(x * blk_a * blk_b, 0)        # the checksum in units of 2^E (NaN, inf propagate)
         sf = tl.sum(xb, 0)
         xs1 += tl.sum(sf * sf, 0)

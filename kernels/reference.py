@@ -16,6 +16,7 @@ import math
 
 import torch
 
+from abft.kernels import backends
 from abft.kernels import layout as L
 from abft.kernels import threshold as T
 from abft.kernels.stats import _CHUNK, _pad_blocks, _rows_per_chunk, _sum_blocks, operand_stats
@@ -29,9 +30,7 @@ def units_for(c):
     """Round-off units of a product torch computed as ``c``: the stored output checked in float64;
     fp32 GEMMs may use tf32 (CUDA: ``allow_tf32``; CPU: a float32 matmul precision below
     "highest"); bf16 GEMMs on CPUs flush subnormal inputs and products to zero."""
-    tf32 = c.dtype == torch.float32 and (
-        torch.backends.cuda.matmul.allow_tf32 if c.device.type == "cuda"
-        else torch.get_float32_matmul_precision() != "highest")
+    tf32 = c.dtype == torch.float32 and backends.tf32_allowed(c.device)
     return T.units(c.dtype, tf32=tf32, flush=c.device.type == "cpu" and c.dtype == torch.bfloat16)
 
 

@@ -107,7 +107,7 @@ def operand_stats(x, bs, *, need_s=False, need_abs=False, rhs=None):
     E = torch.where(torch.isfinite(E), E, torch.zeros_like(E))
     row_to_block = (e - E.repeat_interleave(bs, -1)[..., :r])      # <= 0: x 2^-E = (x 2^-e) 2^(e - E)
     r1 = torch.zeros(*batch, r, **f64)
-    alpha = torch.zeros(*batch, t, k, **f64)
+    sqsum = torch.zeros(*batch, t, k, **f64)
     s = torch.zeros(*batch, t, k, **f64)
     absum = torch.zeros(*batch, t, k, **f64) if need_abs else None
     times = None if rhs is None else torch.zeros(*batch, r, rhs.shape[-2], **f64)
@@ -130,7 +130,7 @@ def operand_stats(x, bs, *, need_s=False, need_abs=False, rhs=None):
                 r1 += sq.sum(-1)
                 xb = xs * fb if prescale else xs
                 s[..., k0:k0 + step] = _sum_blocks(xb, bs, -2)
-                alpha[..., k0:k0 + step] = _sum_blocks(sq * (fb * fb) if prescale else sq, bs, -2)
+                sqsum[..., k0:k0 + step] = _sum_blocks(sq * (fb * fb) if prescale else sq, bs, -2)
                 if need_abs:
                     absum[..., k0:k0 + step] = _sum_blocks(xb.abs(), bs, -2)
         else:
@@ -150,7 +150,7 @@ def operand_stats(x, bs, *, need_s=False, need_abs=False, rhs=None):
                 else:
                     xb, sqb = xs, sq
                 s[..., t0:t1, :] = _sum_blocks(xb, bs, -2)
-                alpha[..., t0:t1, :] = _sum_blocks(sqb, bs, -2)
+                sqsum[..., t0:t1, :] = _sum_blocks(sqb, bs, -2)
                 if need_abs:
                     absum[..., t0:t1, :] = _sum_blocks(xb.abs(), bs, -2)
     rinf = (amax * torch.exp2(-e)) ** 2                       # max_k of the scaled squares
@@ -158,13 +158,13 @@ def operand_stats(x, bs, *, need_s=False, need_abs=False, rhs=None):
         row, blk = torch.exp2(-e), torch.exp2(-E).unsqueeze(-1)
         r1 = r1 * (row * row)
         times = None if times is None else times * row.unsqueeze(-1)
-        s, alpha = s * blk, alpha * (blk * blk)
+        s, sqsum = s * blk, sqsum * (blk * blk)
         absum = absum * blk if need_abs else None
     s2 = s * s
     key_nan = torch.where(finite, r1, torch.full_like(r1, float("nan")))
     return OperandStats(
         bs=bs, e=e, r1=r1, rinf=rinf, finite=finite, low=low_entropy(x), E=E,
-        x1=alpha.sum(-1), xinf=_amax(alpha, -1), xs1=s2.sum(-1), xsinf=_amax(s2, -1),
+        x1=sqsum.sum(-1), xinf=_amax(sqsum, -1), xs1=s2.sum(-1), xsinf=_amax(s2, -1),
         nu=_multiplicity(e, key_nan, bs), s=s if need_s else None, absum=absum, times=times)
 
 

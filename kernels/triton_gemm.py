@@ -475,8 +475,9 @@ def _tf32(a, tf32):
     """(tf32 on the GPU, emulation code)."""
     if tf32 in ("truncate", "nearest"):
         return False, _TF32_EMU[tf32]
+    # the kernel runs tf32 only on a GPU, where torch allows it (or the caller says so)
     return (a.dtype == torch.float32 and a.device.type == "cuda"
-            and (torch.backends.cuda.matmul.allow_tf32 if tf32 is None else bool(tf32))), 0
+            and (_backends.tf32_allowed(a.device) if tf32 is None else bool(tf32))), 0
 
 
 def launch(a3, b3, addend, pa, pb, ar, ab, br, bb, coef, alpha, beta, bm, bn, ra, rb, a_k_major,
@@ -604,9 +605,10 @@ def checked_gemm(a, b, bias=None, *, addend=None, alpha=1.0, beta=1.0, tiles=Non
             dict(res_row, thr_row (B, M, TN), res_col, thr_col (B, TM, N)).
 
     Returns:
-        c: (M, N) or (B, M, N) in a's dtype; verdict (B, TM, TN, 9) float32 in
+        c: (M, N) or (B, M, N) in a's dtype; verdict ([B,] TM, TN, 9) float32 in
         ``kernels/layout.py``'s format (None when ``check`` is False); detail
-        (row ratios (B, M, TN), column ratios (B, TM, N)).
+        (row ratios ([B,] M, TN), column ratios ([B,] TM, N)); B only where an operand is 3-D,
+        as ``reference.check`` returns them.
 
     Example::
 
@@ -670,8 +672,12 @@ def checked_gemm(a, b, bias=None, *, addend=None, alpha=1.0, beta=1.0, tiles=Non
         a3, b3, add, pa, pb, ar, ab, br, bb, coef, float(alpha), float(beta), bm, bn, lay.ra,
         lay.rb, lay.a_k_major, lay.b_k_major, bool(check), tf, emu, INJECT_KINDS[inj["kind"]] if inject else 0, where,
         float(inj.get("value", 0.0)), *cfg, bool(return_sums and check))
-    if squeeze:
+    if squeeze:                     # 2-D operands: no batch dim, as the reference check returns
         c = c[0]
+        if check:
+            verdict, rr, rc = verdict[0], rr[0], rc[0]
+            if return_sums:
+                sr, sc = sr[0], sc[0]
     if not check:
         return c, None, None
     if return_sums:

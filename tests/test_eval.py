@@ -8,7 +8,7 @@ import torch
 
 from abft.cli import main
 from abft.eval import campaign, crosscheck, report
-from abft.eval import faults as F
+from abft.eval import faults as fm
 from abft.eval.replicas import TrainConfig, pretrain, run_trial
 
 TINY = TrainConfig(dim=16, batch=8, micro_steps=2, pretrain_steps=10, steps=4)
@@ -20,7 +20,7 @@ def base():
 
 
 def _trial(base, sites, mode="computation", seed=1, rate=1.0, **kw):
-    prof = F.Profile("p", rate=rate, sites=sites, **kw)
+    prof = fm.Profile("p", rate=rate, sites=sites, **kw)
     return run_trial({"id": "t", "profile": prof, "mode": mode, "seed": seed}, TINY, base)
 
 
@@ -85,13 +85,13 @@ def test_optimizer_state_fault_shows_in_the_state_sync(base):
 
 def test_schedule_is_seeded_and_one_event_per_step():
     tg = {"gemm": {"a": "linear", "b": "matmul"}, "nongemm": ["n"], "weights": {"a.weight": "a"}}
-    prof = F.Profile("x", rate=0.5, sites={s: 1.0 for s in F.SITES}, timing="intermittent",
+    prof = fm.Profile("x", rate=0.5, sites={s: 1.0 for s in fm.SITES}, timing="intermittent",
                      onset=3, burst=2, quiet=5)
-    e1, e2 = F.schedule(prof, 60, 2, tg, 7), F.schedule(prof, 60, 2, tg, 7)
+    e1, e2 = fm.schedule(prof, 60, 2, tg, 7), fm.schedule(prof, 60, 2, tg, 7)
     assert [e.to_dict() for e in e1] == [e.to_dict() for e in e2]
     steps = [e.step for e in e1]
     assert len(steps) == len(set(steps)) and min(steps) >= 3
-    perm = F.schedule(F.Profile("y", timing="permanent", onset=4), 10, 1, tg, 0)
+    perm = fm.schedule(fm.Profile("y", timing="permanent", onset=4), 10, 1, tg, 0)
     assert [e.step for e in perm] == list(range(4, 10))
     assert len({(e.module, e.phase, e.urow, e.ucol) for e in perm}) == 1
 

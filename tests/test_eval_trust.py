@@ -14,7 +14,7 @@ import torch
 import abft
 from abft.cli import main
 from abft.eval import campaign, crosscheck, report
-from abft.eval import faults as F
+from abft.eval import faults as fm
 from abft.eval.replicas import TrainConfig, pretrain, run_trial
 
 TINY = TrainConfig(dim=16, batch=8, micro_steps=2, pretrain_steps=10, steps=4)
@@ -175,9 +175,9 @@ def test_ranks_die_with_their_parent(tmp_path):
 
 def _event(**kw):
     tg = {"gemm": {"m": "linear"}, "nongemm": [], "weights": {"m.weight": "m"}}
-    prof = F.Profile("p", rate=1.0, timing="permanent", sites={"weight_memory": 1.0},
+    prof = fm.Profile("p", rate=1.0, timing="permanent", sites={"weight_memory": 1.0},
                      kinds={"bitflip": 1.0}, bits={"exponent_msb": 1.0}, multi_bit=0.0, **kw)
-    return F.schedule(prof, 4, 1, tg, 0)
+    return fm.schedule(prof, 4, 1, tg, 0)
 
 
 def test_a_stuck_bit_stays_stuck():
@@ -186,19 +186,19 @@ def test_a_stuck_bit_stays_stuck():
     w = torch.full((4, 4), 0.5)
     flipped = None
     for ev in events:                      # the weight at rest, before each step
-        F.corrupt(ev, w)
+        fm.corrupt(ev, w)
         r, c = ev.applied[0]["row"], ev.applied[0]["col"]
         flipped = float(w[r, c]) if flipped is None else flipped
         assert float(w[r, c]) == flipped != 0.5          # set, never set back
     assert [e.applied[0]["changed"] for e in events] == [1, 0, 0, 0]
     w.fill_(0.5)                           # restored from the healthy replica: stuck again
-    F.corrupt(events[-1], w)
+    fm.corrupt(events[-1], w)
     assert float(w[r, c]) == flipped
     assert events[0].to_dict()["stuck"] is not None and "shared" not in events[0].to_dict()
 
 
 def test_a_stuck_weight_bit_keeps_the_run_apart(base):
-    prof = F.Profile("p", rate=1.0, timing="permanent", onset=1, sites={"weight_memory": 1.0},
+    prof = fm.Profile("p", rate=1.0, timing="permanent", onset=1, sites={"weight_memory": 1.0},
                      kinds={"bitflip": 1.0}, bits={"mantissa_high": 1.0}, multi_bit=0.0)
     rec = run_trial({"id": "t", "profile": prof, "mode": "none", "seed": 3}, TINY, base)
     div = rec["param_divergence"]
@@ -250,12 +250,12 @@ def test_the_below_threshold_ratio_is_the_faults_tiles_not_the_products():
     ctx = h.hits[0]
     assert ctx.tiles == (32, 32)
     rec = {"shape": [256, 256], "row": row, "col": col, "pattern": "element"}
-    mine = F.fault_tiles(ctx.verdict, rec, ctx.tiles)
+    mine = fm.fault_tiles(ctx.verdict, rec, ctx.tiles)
     assert tuple(mine.shape[:2]) == (1, 1)
     assert float(ratios(mine).max()) == float(ratios(ctx.verdict)[tr, tc])
     assert float(ratios(mine).max()) < float(ratios(ctx.verdict).max())   # not the product's
     row = {"shape": [256, 256], "row": 70, "col": 0, "pattern": "row"}
-    assert tuple(F.fault_tiles(ctx.verdict, row, ctx.tiles).shape[:2]) == (1, 8)
+    assert tuple(fm.fault_tiles(ctx.verdict, row, ctx.tiles).shape[:2]) == (1, 8)
 
 
 # ------------------------------------------------------------------ counts that mean what they say
@@ -320,7 +320,7 @@ def test_distinct_faults_and_events_are_counted_apart():
     site = s["per_site"]
     assert site["gemm_accumulator"]["faults"] == 1 and site["gemm_accumulator"]["events"] == 6
     assert site["gemm_accumulator"]["faults_detected"] == 1
-    assert set(site) == set(F.SITES) and site["nongemm_op"]["faults"] == 0  # undrawn sites stay
+    assert set(site) == set(fm.SITES) and site["nongemm_op"]["faults"] == 0  # undrawn sites stay
 
 
 def test_latency_runs_from_the_fault_to_its_first_alarm():
@@ -449,7 +449,7 @@ def test_the_periodic_pattern_repeats_runs_of_four():
 @pytest.mark.parametrize("site", ["weight_memory", "optimizer_state"])
 def test_the_state_at_rest_check_catches_and_locates_what_the_checksums_miss(base, site):
     import dataclasses
-    prof = F.Profile("p", rate=1.0, onset=1, sites={site: 1.0}, kinds={"bitflip": 1.0},
+    prof = fm.Profile("p", rate=1.0, onset=1, sites={site: 1.0}, kinds={"bitflip": 1.0},
                      bits={"exponent": 1.0}, multi_bit=0.0).validate()
     trial = {"id": "t", "profile": prof, "mode": "computation", "seed": 2}
     on = crosscheck.cases(run_trial(trial, dataclasses.replace(TINY, rest=True), base))
@@ -465,7 +465,7 @@ def test_the_state_at_rest_check_catches_and_locates_what_the_checksums_miss(bas
 
 def test_the_recompute_check_catches_and_locates_a_corrupted_norm_or_activation(base):
     import dataclasses
-    prof = F.Profile("p", rate=1.0, onset=1, sites={"nongemm_op": 1.0}, kinds={"bitflip": 1.0},
+    prof = fm.Profile("p", rate=1.0, onset=1, sites={"nongemm_op": 1.0}, kinds={"bitflip": 1.0},
                      bits={"exponent": 1.0}, multi_bit=0.0).validate()
     trial = {"id": "t", "profile": prof, "mode": "computation", "seed": 4}
     on = crosscheck.cases(run_trial(trial, dataclasses.replace(TINY, recompute=1.0), base))
@@ -481,7 +481,7 @@ def test_the_checksummed_all_reduce_catches_and_locates_corrupted_gradients(base
     """gradient_comm: the corruption lands in the all-reduce's result, after the checksums were
     taken; without train.comm the gradient is corrupted where it lies and nothing sees it."""
     import dataclasses
-    prof = F.Profile("p", rate=1.0, onset=1, sites={"gradient_comm": 1.0}, kinds={"bitflip": 1.0},
+    prof = fm.Profile("p", rate=1.0, onset=1, sites={"gradient_comm": 1.0}, kinds={"bitflip": 1.0},
                      bits={"exponent": 1.0}, multi_bit=0.0).validate()
     trial = {"id": "t", "profile": prof, "mode": "computation", "seed": 5}
     on = crosscheck.cases(run_trial(trial, dataclasses.replace(TINY, comm=True), base))
@@ -495,21 +495,21 @@ def test_the_checksummed_all_reduce_catches_and_locates_corrupted_gradients(base
 
 
 def test_pins_fix_where_a_fault_lands():
-    tg = F.targets(TINY.model())
+    tg = fm.targets(TINY.model())
     pin = {"site": "gemm_accumulator", "module": "blocks.1.mlp.out", "phase": "grad_input",
            "micro_step": 1, "row": 3, "col": 5}
-    prof = F.Profile("p", rate=1.0, sites={"gemm_accumulator": 1.0, "nongemm_op": 1.0}, pin=pin)
+    prof = fm.Profile("p", rate=1.0, sites={"gemm_accumulator": 1.0, "nongemm_op": 1.0}, pin=pin)
     prof.validate().check_targets(tg, TINY.micro_steps)
-    for e in F.schedule(prof, 6, 2, tg, 11):
+    for e in fm.schedule(prof, 6, 2, tg, 11):
         assert (e.site, e.module, e.phase, e.micro_step, e.row, e.col) == tuple(pin.values())
-        inj = F.injection(e, (40, 16), torch.float32)
+        inj = fm.injection(e, (40, 16), torch.float32)
         assert (inj.row, inj.col) == (3, 5)
 
 
 @pytest.mark.slow          # about 5 minutes: a training step under the Triton interpreter
 def test_a_trial_on_the_triton_backend_flips_a_bit_in_the_kernel_and_alarms():
     cfg = TrainConfig(dim=16, batch=8, micro_steps=1, pretrain_steps=2, steps=1)
-    prof = F.Profile("p", rate=1.0, kinds={"bitflip": 1.0}, bits={"exponent_msb": 1.0},
+    prof = fm.Profile("p", rate=1.0, kinds={"bitflip": 1.0}, bits={"exponent_msb": 1.0},
                      multi_bit=0.0).validate()
     prof.check_backend("triton")
     rec = run_trial({"id": "t", "profile": prof, "mode": "computation", "seed": 0,
@@ -525,10 +525,10 @@ def test_a_trial_on_the_triton_backend_flips_a_bit_in_the_kernel_and_alarms():
 
 
 def test_a_pinned_adam_moment_is_the_one_corrupted():
-    tg = F.targets(TINY.model())
-    for state in F.STATES:
-        prof = F.Profile("p", rate=1.0, sites={"optimizer_state": 1.0}, pin={"state": state})
-        events = F.schedule(prof.validate(), 8, 2, tg, 3)
+    tg = fm.targets(TINY.model())
+    for state in fm.STATES:
+        prof = fm.Profile("p", rate=1.0, sites={"optimizer_state": 1.0}, pin={"state": state})
+        events = fm.schedule(prof.validate(), 8, 2, tg, 3)
         assert events and {e.state for e in events} == {state}
 
 
@@ -551,7 +551,7 @@ def test_a_bad_pin_is_one_line(tmp_path, capsys, pin, field):
 
 
 def test_a_defective_unit_fires_per_gemm_call_and_a_size_trigger_gates_it(base):
-    prof = F.Profile("p", rate=1.0, timing="permanent", onset=1, sites={"gemm_accumulator": 1.0},
+    prof = fm.Profile("p", rate=1.0, timing="permanent", onset=1, sites={"gemm_accumulator": 1.0},
                      kinds={"bitflip": 1.0}, bits={"exponent_msb": 1.0}, multi_bit=0.0,
                      per_gemm=0.2, trigger={"min_k": 64})
     trial = {"id": "t", "profile": prof, "mode": "computation", "seed": 0}
@@ -568,7 +568,7 @@ def test_a_defective_unit_fires_per_gemm_call_and_a_size_trigger_gates_it(base):
     other = run_trial(dict(trial, fault_seed=12345), TINY, base)     # another trial's stream
     assert [(r["module"], r["phase"]) for e in other["events"] for r in e["applied"]] != \
         [(r["module"], r["phase"]) for r in applied]
-    every = F.Profile("q", rate=1.0, timing="permanent", sites={"gemm_accumulator": 1.0},
+    every = fm.Profile("q", rate=1.0, timing="permanent", sites={"gemm_accumulator": 1.0},
                       kinds={"bitflip": 1.0}, bits={"mantissa_low": 1.0}, multi_bit=0.0,
                       per_gemm=1.0)
     rec1 = run_trial({"id": "u", "profile": every, "mode": "computation", "seed": 0}, TINY, base)
@@ -577,7 +577,7 @@ def test_a_defective_unit_fires_per_gemm_call_and_a_size_trigger_gates_it(base):
 
 
 def test_the_first_divergence_is_where_the_fault_began(base):
-    prof = F.Profile("p", rate=1.0, sites={"gemm_operand": 1.0}, kinds={"scale": 1.0},
+    prof = fm.Profile("p", rate=1.0, sites={"gemm_operand": 1.0}, kinds={"scale": 1.0},
                      scale=(10.0, 100.0), phases={"forward": 1.0})
     rec = run_trial({"id": "t", "profile": prof, "mode": "computation", "seed": 2}, TINY, base)
     d = crosscheck.first_divergence(rec)
@@ -645,7 +645,7 @@ def test_the_terminal_report_keeps_the_metrics_and_names_what_it_leaves_out():
 
 def test_a_reseeded_healthy_pair_is_the_noise_floor_with_accuracy_over_training(base):
     cfg = TrainConfig(dim=16, batch=8, micro_steps=2, pretrain_steps=10, steps=4, eval_every=2)
-    prof = F.Profile("floor", rate=0.0, reseed=1)
+    prof = fm.Profile("floor", rate=0.0, reseed=1)
     rec = run_trial({"id": "t", "profile": prof, "mode": "none", "seed": 0}, cfg, base)
     assert rec["events"] == [] and rec["reseeded"] and rec["alarms"] == []
     assert [s for s, _ in rec["accuracy_curve_faulty"]] == [2, 4]
@@ -680,7 +680,7 @@ def test_a_folder_mixing_two_campaigns_is_refused_by_the_report(tmp_path, capsys
 def test_a_bit_stuck_at_a_chosen_value(stuck_at, value, changes):
     (ev, *_) = _event(stuck_at=stuck_at)
     w = torch.full((4, 4), value)
-    F.corrupt(ev, w)
+    fm.corrupt(ev, w)
     r, c = ev.applied[0]["row"], ev.applied[0]["col"]
     assert (float(w[r, c]) != value) == changes
     assert (int(w.view(torch.int32)[r, c]) >> 30) & 1 == stuck_at

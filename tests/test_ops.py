@@ -177,3 +177,29 @@ def test_all_zero_operands_do_not_alarm(k):
         abft.matmul(a, b)
         abft.matmul(b.t(), a.t())
     _clean()
+
+
+@pytest.mark.usefixtures("backend")
+@pytest.mark.parametrize("op", ["mm", "matmul", "linear", "addmm", "bmm"])
+def test_an_output_dies_with_its_last_reference(op):
+    """No reference cycle holds a checked product: detectors that verify an output at its death
+    (abft.OutputCheck) see it die when the caller drops it, not when the garbage collector
+    runs (ce3da11's Problem.again closed over its own Problem, and test_carry failed)."""
+    import gc
+    import weakref
+    a, b, bias = torch.randn(16, 8), torch.randn(8, 12), torch.randn(12)
+    call = {"bmm": lambda: abft.bmm(a[None], b[None]), "matmul": lambda: abft.matmul(a, b),
+            "mm": lambda: abft.mm(a, b),
+            "linear": lambda: abft.linear(a, b.t(), bias),
+            "addmm": lambda: abft.addmm(bias, a, b)}[op]
+    call()                              # first calls fill torch's caches (which may hold frames)
+    gc.collect()
+    gc.disable()
+    try:
+        out = call()
+        ref = weakref.ref(out)
+        del out
+        assert ref() is None
+    finally:
+        gc.enable()
+    assert abft.flush() == []
