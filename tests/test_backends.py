@@ -1,0 +1,48 @@
+"""kernels/backends.py: the one place that says which backend a call runs on."""
+import pytest
+import torch
+
+import abft
+from abft.kernels import backends
+
+
+def test_auto_is_triton_on_cuda_and_reference_elsewhere():
+    assert backends.resolve("auto", cuda=True) == "triton"
+    assert backends.resolve("auto", cuda=False) == "reference"
+    assert backends.resolve("reference", cuda=True) == "reference"
+    assert backends.resolve("triton", cuda=False) == "triton"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.float64])
+def test_the_kernel_takes_its_dtypes_only_and_one_dtype_for_all(dtype):
+    a, b = torch.ones(2, 2, dtype=dtype), torch.ones(2, 2, dtype=dtype)
+    on_kernel = dtype in backends.DTYPES["triton"]
+    assert backends.runs_on_triton("triton", a, b) == on_kernel
+    assert not backends.runs_on_triton("reference", a, b)
+    assert not backends.runs_on_triton("auto", a, b)                 # CPU tensors
+    assert not backends.runs_on_triton("triton", a, b.double())      # mixed dtypes
+    assert set(backends.DTYPES["triton"]) < set(backends.DTYPES["reference"])
+
+
+def test_tf32_follows_torchs_setting_on_the_cpu():
+    before = torch.get_float32_matmul_precision()
+    try:
+        torch.set_float32_matmul_precision("highest")
+        assert not backends.tf32_allowed(torch.device("cpu"))
+        torch.set_float32_matmul_precision("high")
+        assert backends.tf32_allowed(torch.device("cpu"))
+    finally:
+        torch.set_float32_matmul_precision(before)
+
+
+def test_the_settings_and_the_campaign_take_the_same_backends():
+    for name in backends.BACKENDS:
+        if name != "reference":
+            pytest.importorskip("triton")
+        with abft.config(backend=name):
+            pass
+    with pytest.raises(ValueError, match="backend"):
+        abft.config(backend="cuda")
+    from abft.eval import campaign
+    with pytest.raises(ValueError, match="config.backend"):
+        campaign.validate({"backend": "cuda"})
