@@ -62,8 +62,9 @@ class Problem:
 
     def __post_init__(self):
         self.alpha, self.beta = float(self.alpha), float(self.beta)
-        if self.beta == 0:
-            self.addend = None         # torch ignores the input when beta is 0
+        if self.beta == 0 and self.addend is not None:
+            torch.broadcast_shapes(tuple(self.addend.shape), self.shape)   # torch checks its shape
+            self.addend = None         # and ignores its values
 
     @property
     def shape(self):
@@ -402,15 +403,22 @@ def linear(input, weight, bias=None, *, module=None, weight_stats=None):
                      flat_rows=lead if len(lead) > 1 else None,
                      finish=lambda c: c.view(*lead, c.shape[-1]))
         return run_checked(pb, module=module)
+    out = F.linear(input, weight, bias)
     _require_float("linear", input, weight, *(() if bias is None else (bias,)))
+    return run_checked(_linear_problem(input, weight, bias, weight_stats, out), module=module)
 
-    def problem(out):                   # c: out's canonical view (leading dims folded into rows)
-        x = input.unsqueeze(0) if input.dim() == 1 else input
-        a, c, flat = _fold(x, out.view(*x.shape[:-1], out.shape[-1]))
-        return Problem("linear", a, weight.t(), c, addend=bias, flat_rows=flat,
-                       b_stats=weight_stats, finish=lambda _: out,
-                       again=lambda: problem(F.linear(input, weight, bias)))
-    return run_checked(problem(F.linear(input, weight, bias)), module=module)
+
+def _linear_problem(input, weight, bias, weight_stats, out):
+    """The reference Problem of ``out = F.linear(input, weight, bias)``: c is out's canonical view
+    (leading dims folded into rows), repaired in place; again() computes out afresh. A module
+    function: a nested one naming itself would be a cycle holding the operands until the
+    garbage collector runs."""
+    x = input.unsqueeze(0) if input.dim() == 1 else input
+    a, c, flat = _fold(x, out.view(*x.shape[:-1], out.shape[-1]))
+    return Problem("linear", a, weight.t(), c, addend=bias, flat_rows=flat, b_stats=weight_stats,
+                   finish=lambda _: out,
+                   again=lambda: _linear_problem(input, weight, bias, weight_stats,
+                                                 F.linear(input, weight, bias)))
 
 
 @_plain

@@ -24,7 +24,7 @@ class Settings:
 
 
 # called when a ``with abft.config(...)`` block exits, before its settings are restored (the
-# verdict queue registers its resolve here: settings imports nothing of abft's)
+# verdict queue registers its resolve here, so settings need not import the policy module)
 on_exit = []
 
 _settings = Settings(enabled=os.environ.get("ABFT_DISABLE", "") not in ("1", "true", "yes"))

@@ -602,7 +602,7 @@ def checked_gemm(a, b, bias=None, *, addend=None, alpha=1.0, beta=1.0, tiles=Non
             (``prepass.prepare(b.mT, *key)``); or None.
         lam: threshold multiplier (None: ``threshold.LAMBDA``).
         return_sums: also return the residual and threshold of every sum, in C's units:
-            dict(res_row, thr_row (B, M, TN), res_col, thr_col (B, TM, N)).
+            dict(res_row, thr_row ([B,] M, TN), res_col, thr_col ([B,] TM, N)).
 
     Returns:
         c: (M, N) or (B, M, N) in a's dtype; verdict ([B,] TM, TN, 9) float32 in
@@ -627,8 +627,9 @@ def checked_gemm(a, b, bias=None, *, addend=None, alpha=1.0, beta=1.0, tiles=Non
     if b3.shape[1] != k or a3.shape[0] not in (1, bt) or b3.shape[0] not in (1, bt):
         raise RuntimeError(f"checked_gemm: shapes {tuple(a.shape)} and {tuple(b.shape)} cannot be multiplied")
     add = bias if bias is not None else addend
-    if add is not None and beta == 0:
-        add = None                                   # torch ignores input when beta is 0
+    if add is not None and beta == 0:               # torch ignores its values, not its shape
+        torch.broadcast_shapes(tuple(add.shape), (m, n) if squeeze else (bt, m, n))
+        add = None
     if add is not None:
         add = add.expand(bt, m, n) if add.dim() <= 3 else add.reshape(-1, m, n)
     bm, bn = tiles or _configs.tile(m, n, k, a.dtype)

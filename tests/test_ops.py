@@ -182,9 +182,10 @@ def test_all_zero_operands_do_not_alarm(k):
 @pytest.mark.usefixtures("backend")
 @pytest.mark.parametrize("op", ["mm", "matmul", "linear", "addmm", "bmm"])
 def test_an_output_dies_with_its_last_reference(op):
-    """No reference cycle holds a checked product: detectors that verify an output at its death
-    (abft.OutputCheck) see it die when the caller drops it, not when the garbage collector
-    runs (ce3da11's Problem.again closed over its own Problem, and test_carry failed)."""
+    """No reference cycle holds a checked product or its operands: detectors that verify an
+    output at its death (abft.OutputCheck) see it die when the caller drops it, not when the
+    garbage collector runs (ce3da11's Problem.again closed over its own Problem, and test_carry
+    failed; a nested linear problem naming itself held its input)."""
     import gc
     import weakref
     a, b, bias = torch.randn(16, 8), torch.randn(8, 12), torch.randn(12)
@@ -197,9 +198,26 @@ def test_an_output_dies_with_its_last_reference(op):
     gc.disable()
     try:
         out = call()
-        ref = weakref.ref(out)
-        del out
-        assert ref() is None
+        refs = [weakref.ref(out), weakref.ref(a)]
+        del out, a, call
+        assert [r() is None for r in refs] == [True, True]
     finally:
         gc.enable()
     assert abft.flush() == []
+
+
+@pytest.mark.usefixtures("backend")
+def test_bad_addends_and_injections_outside_the_product_raise_on_both_backends():
+    """A beta=0 input that does not broadcast raises as torch does, and an element fault placed
+    outside the product raises IndexError (the triton backend ignored both)."""
+    a, b = torch.randn(6, 5), torch.randn(5, 4)
+    with pytest.raises(RuntimeError):
+        torch.addmm(torch.randn(3), a, b, beta=0)
+    with pytest.raises(RuntimeError):
+        abft.addmm(torch.randn(3), a, b, beta=0)
+    with pytest.raises(RuntimeError):
+        abft.baddbmm(torch.randn(2, 6, 3), a[None].repeat(2, 1, 1), b[None].repeat(2, 1, 1), beta=0)
+    with abft.inject(row=2, col=4, kind="add", value=1.0):
+        with pytest.raises(IndexError, match="outside the product"):
+            abft.mm(a, b)
+    torch.testing.assert_close(abft.addmm(torch.randn(4), a, b, beta=0), a @ b)
