@@ -4,8 +4,8 @@ import torch
 
 BACKENDS = ("reference", "triton", "auto")   # auto: triton on CUDA tensors, else reference
 
-DTYPES = {"reference": (torch.float32, torch.float16, torch.bfloat16, torch.float64),
-          "triton": (torch.float32, torch.float16, torch.bfloat16)}
+DTYPES = {"reference": (torch.float32, torch.float64, torch.bfloat16, torch.float16),
+          "triton": (torch.float32, torch.bfloat16, torch.float16)}   # (the tables' row order)
 
 # the reference backend's (BM, BN); the fused kernel's depend on the shape (``configs.tile``)
 REFERENCE_TILES = (256, 256)
