@@ -181,6 +181,7 @@ def _ddp_worker(rank, port, out, fault):
             inj.stop()
     guard.close()
     torch.save([p.detach() for p in model.parameters()], os.path.join(out, f"p{rank}.pt"))
+    dist.barrier()              # no rank tears gloo down while its peer still talks to it
     dist.destroy_process_group()
 
 

@@ -59,6 +59,7 @@ def _shard_worker(rank, port, out):
                "unverified": sum(r["unverified"] + r["unprotected"] for r in abft.coverage())}
         with open(os.path.join(out, f"{rank}.json"), "w") as f:
             json.dump(res, f)
+        dist.barrier()          # no rank tears gloo down while its peer still talks to it
     finally:
         dist.destroy_process_group()
 
