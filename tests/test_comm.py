@@ -16,6 +16,7 @@ from torch import nn
 import abft
 from abft.comm import CommCheck, block_sums, compare
 from abft.eval.replicas import free_port
+from ranks import exit_clean
 
 
 def _flip(t, index, bit):
@@ -296,6 +297,7 @@ def _worker(rank, port, out, world):
     finally:
         dist.barrier()
         dist.destroy_process_group()
+    exit_clean()
 
 
 @pytest.fixture(scope="module")
@@ -390,6 +392,7 @@ def _hsdp_worker(rank, port, out):
     finally:
         dist.barrier()
         dist.destroy_process_group()
+    exit_clean()
 
 
 def test_hsdp_all_reduce_across_replicas_is_checked_and_locates_a_corrupted_element(tmp_path):

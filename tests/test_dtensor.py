@@ -15,6 +15,7 @@ from torch import nn
 
 import abft
 from abft.eval.replicas import free_port
+from ranks import exit_clean
 
 
 def _mlp():
@@ -355,6 +356,7 @@ def _worker(rank, port, out, name, world):
     finally:
         dist.barrier()
         dist.destroy_process_group()
+    exit_clean()
 
 
 def _spawn(tmp_path, name, world=2):

@@ -10,6 +10,7 @@ import torch.multiprocessing as mp
 
 import abft
 from abft.eval.replicas import free_port
+from ranks import exit_clean
 
 
 def _setup(seed=0):
@@ -183,6 +184,7 @@ def _ddp_worker(rank, port, out, fault):
     torch.save([p.detach() for p in model.parameters()], os.path.join(out, f"p{rank}.pt"))
     dist.barrier()              # no rank tears gloo down while its peer still talks to it
     dist.destroy_process_group()
+    exit_clean()
 
 
 def _ddp(tmp, fault):

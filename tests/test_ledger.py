@@ -13,6 +13,7 @@ from abft import cli
 from abft.ledger import QUARANTINE_EXIT, Ledger, this_device
 from abft.eval.replicas import free_port
 from test_guard import _closure, _setup
+from ranks import exit_clean
 
 
 def test_strikes_are_weighted_windowed_and_judged(tmp_path):
@@ -188,6 +189,7 @@ def _worker(rank, port, out):
     finally:
         dist.barrier()
         dist.destroy_process_group()
+    exit_clean()
 
 
 def test_two_ranks_halt_together_and_only_the_faulty_device_is_struck(tmp_path):

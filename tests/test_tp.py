@@ -13,6 +13,7 @@ from abft.eval.models import GPT, GPTConfig
 from abft.eval.replicas import free_port
 
 from test_eval import TINY_TOML
+from ranks import exit_clean
 
 # the tiny campaign of test_eval, each replica a 2-rank TP group, the faults under computation sync
 TP_TOML = TINY_TOML.replace("steps = 3\n", "steps = 3\ntp = 2\n", 1) \
@@ -62,6 +63,7 @@ def _shard_worker(rank, port, out):
         dist.barrier()          # no rank tears gloo down while its peer still talks to it
     finally:
         dist.destroy_process_group()
+    exit_clean()
 
 
 def test_a_sharded_gpt_computes_the_full_models_loss_and_gradients(tmp_path):
