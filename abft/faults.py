@@ -237,7 +237,7 @@ def kernel_injection(ctx):
                                           f"faults of kinds {tuple(L.INJECT_KINDS)} only")
             m, n = ctx.shape[-2], ctx.shape[-1]
             if not (0 <= inj.row < m and 0 <= inj.col < n):   # as the reference hook says
-                raise IndexError(f"abft.inject: element at row {inj.row}, col {inj.col} is "
+                raise IndexError(f"abft.inject: {inj.pattern} at row {inj.row}, col {inj.col} is "
                                  f"outside the product of shape {tuple(ctx.shape)}")
             bit = inj.bit or 0
             if isinstance(bit, tuple):

@@ -335,60 +335,52 @@ def _canonical(plan, a, b):
     return x, y, flat, fin, lambda: x.bmm(y)
 
 
+def _torch_op(op, a, b, compute, ts, shape_ok, *, phase="forward", module=None, **kw):
+    """A product torch computes as ``compute()`` (mm, bmm, addmm, baddbmm), checked: the plain
+    call with checks off, the fused kernel where it takes the operands ``ts``, else the torch op
+    then the reference check."""
+    route = _route(*ts, shape_ok=shape_ok)
+    if route == "off":
+        return compute()
+    if route == "triton":
+        return run_checked(_kernel(op, a, b, **kw), phase=phase, module=module)
+    pb = _computed(op, a, b, compute, **kw)
+    _require_float(op, *ts)
+    return run_checked(pb, phase=phase, module=module)
+
+
 @_plain
 def mm(a, b, *, op="mm", phase="forward", module=None):
     """Checked ``torch.mm``: (M, K) @ (K, N)."""
-    route = _route(a, b, shape_ok=a.dim() == 2 and b.dim() == 2)
-    if route == "triton":
-        return run_checked(_kernel(op, a, b), phase=phase, module=module)
-    if route == "off":
-        return torch.mm(a, b)
-    pb = _computed(op, a, b, lambda: torch.mm(a, b))
-    _require_float(op, a, b)
-    return run_checked(pb, phase=phase, module=module)
+    return _torch_op(op, a, b, lambda: torch.mm(a, b), (a, b), a.dim() == 2 and b.dim() == 2,
+                     phase=phase, module=module)
 
 
 @_plain
 def bmm(a, b, *, op="bmm", phase="forward", module=None):
     """Checked ``torch.bmm``: (B, M, K) @ (B, K, N)."""
-    route = _route(a, b, shape_ok=a.dim() == 3 and b.dim() == 3 and a.shape[0] == b.shape[0])
-    if route == "triton":
-        return run_checked(_kernel(op, a, b), phase=phase, module=module)
-    if route == "off":
-        return torch.bmm(a, b)
-    pb = _computed(op, a, b, lambda: torch.bmm(a, b))
-    _require_float(op, a, b)
-    return run_checked(pb, phase=phase, module=module)
+    return _torch_op(op, a, b, lambda: torch.bmm(a, b), (a, b),
+                     a.dim() == 3 and b.dim() == 3 and a.shape[0] == b.shape[0],
+                     phase=phase, module=module)
 
 
 @_plain
 def addmm(input, mat1, mat2, *, beta=1, alpha=1, module=None):
     """Checked ``torch.addmm``: beta * input + alpha * (mat1 @ mat2)."""
-    kw = dict(addend=input, alpha=alpha, beta=beta)
-    route = _route(input, mat1, mat2, shape_ok=mat1.dim() == 2 and mat2.dim() == 2)
-    if route == "triton":
-        return run_checked(_kernel("addmm", mat1, mat2, **kw), module=module)
-    if route == "off":
-        return torch.addmm(input, mat1, mat2, beta=beta, alpha=alpha)
-    pb = _computed("addmm", mat1, mat2, lambda: torch.addmm(input, mat1, mat2, beta=beta, alpha=alpha), **kw)
-    _require_float("addmm", input, mat1, mat2)
-    return run_checked(pb, module=module)
+    return _torch_op("addmm", mat1, mat2,
+                     lambda: torch.addmm(input, mat1, mat2, beta=beta, alpha=alpha),
+                     (input, mat1, mat2), mat1.dim() == 2 and mat2.dim() == 2, module=module,
+                     addend=input, alpha=alpha, beta=beta)
 
 
 @_plain
 def baddbmm(input, batch1, batch2, *, beta=1, alpha=1, module=None):
     """Checked ``torch.baddbmm``: beta * input + alpha * (batch1 @ batch2)."""
-    kw = dict(addend=input, alpha=alpha, beta=beta)
-    route = _route(input, batch1, batch2, shape_ok=batch1.dim() == 3 and batch2.dim() == 3
-                   and batch1.shape[0] == batch2.shape[0])
-    if route == "triton":
-        return run_checked(_kernel("baddbmm", batch1, batch2, **kw), module=module)
-    if route == "off":
-        return torch.baddbmm(input, batch1, batch2, beta=beta, alpha=alpha)
-    pb = _computed("baddbmm", batch1, batch2,
-                   lambda: torch.baddbmm(input, batch1, batch2, beta=beta, alpha=alpha), **kw)
-    _require_float("baddbmm", input, batch1, batch2)
-    return run_checked(pb, module=module)
+    return _torch_op("baddbmm", batch1, batch2,
+                     lambda: torch.baddbmm(input, batch1, batch2, beta=beta, alpha=alpha),
+                     (input, batch1, batch2),
+                     batch1.dim() == 3 and batch2.dim() == 3 and batch1.shape[0] == batch2.shape[0],
+                     module=module, addend=input, alpha=alpha, beta=beta)
 
 
 @_plain

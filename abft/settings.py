@@ -3,9 +3,9 @@ import operator
 import os
 from dataclasses import dataclass, fields, replace
 
-POLICIES = ("record", "warn", "raise", "recompute", "correct")
-
 from abft.kernels.backends import BACKENDS
+
+POLICIES = ("record", "warn", "raise", "recompute", "correct")
 
 
 @dataclass(frozen=True)

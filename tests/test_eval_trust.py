@@ -692,3 +692,12 @@ def test_the_hash_is_of_the_resolved_config():
                                                'rate = 0.2\ntiming = "transient"'))
     assert campaign.config_hash(bare) == campaign.config_hash(spelled)
     assert campaign.validate(json.loads(json.dumps(bare))) == bare          # idempotent
+
+
+@pytest.mark.parametrize("kind", fm.KINDS)
+def test_hook_kind_names_the_injection_the_builder_makes(kind):
+    """HOOK_KIND (which campaign kinds the triton backend can inject) states what injection()
+    builds for each kind of transient event: the two cannot drift apart."""
+    ev = fm.FaultEvent(id=0, step=0, micro_step=0, site="gemm_accumulator", module="m",
+                       phase="forward", kind=kind, pattern="element", bits=[3], factor=10.0)
+    assert fm.injection(ev, (8, 8), torch.float32).kind == fm.HOOK_KIND[kind]
