@@ -96,7 +96,7 @@ def _reduce(arrays, bs, dim):
 
 def _count_blocks(mask, bs, dim):
     """True values in consecutive blocks of ``bs`` along ``dim`` (negative), as float64."""
-    nf, r = divmod(mask.shape[dim], bs)
+    nf, r = mask.shape[dim] // bs, mask.shape[dim] % bs     # not divmod: torch.compile traces these
     parts = []
     if nf:
         parts.append(torch.count_nonzero(mask.narrow(dim, 0, nf * bs).unflatten(dim, (nf, bs)), dim=dim))
@@ -108,8 +108,9 @@ def _count_blocks(mask, bs, dim):
 def _output_sums(c, addend, ast, bst, bm, bn):
     """One pass over C (and the addend) in row chunks, for column sums (..., TM, N) in units of
     2^(E_p + f_j) and row sums (..., M, TN) in units of 2^(e_i + F_q). Returns per side the sums of
-    C, C^2, |C|, the non-finite count and the count of elements below
-    the normal range (half types, else None), then (with an addend) the same of the addend.
+    C, C^2, |C|, the non-finite count (None on the CPU when every element is finite) and the count
+    of elements below the normal range (half types, else None), then (with an addend) the same of
+    the addend.
     float64 holds the squares of the other dtypes: they are summed as they are and scaled after;
     float64 products are scaled before squaring."""
     *batch, m, n = c.shape
@@ -141,15 +142,14 @@ def _output_sums(c, addend, ast, bst, bm, bn):
             else:
                 # on the CPU, where ops are synchronous anyway, the non-finite bookkeeping runs only
                 # for a chunk that holds a non-finite value (its sums say so)
-                cpu = z.device.type == "cpu"
+                cpu = z.device.type == "cpu" and not torch.compiler.is_compiling()
                 arrays = _elementwise(z, h, masked=not cpu)
                 pc, pr = _reduce(arrays, bm, -2), _reduce(arrays, bn, -1)
                 if cpu and not bool(torch.isfinite(pc[0]).all() and torch.isfinite(pc[1]).all()):
                     arrays = _elementwise(z, h)
                     pc, pr = _reduce(arrays, bm, -2), _reduce(arrays, bn, -1)
                 elif cpu:
-                    pc[3] = torch.zeros_like(pc[0])
-                    pr[3] = torch.zeros_like(pr[0])
+                    pc[3] = pr[3] = None           # no count: every element is finite
                 parts_c += pc
                 parts_r += pr
         for side, parts, sl in ((col, parts_c, (slice(t0, t1), slice(None))),
@@ -176,17 +176,19 @@ def _side(coef, sums, pred, xst, yst, alpha, t):
     along T), y the other (rows along S)."""
     s1, s2, sa, nf, nsub = sums[:5]
     d1, d2, da = sums[5:8] if len(sums) > 5 else (None, None, None)
+    # alpha == 1 (every product but addmm/baddbmm's): its multiplications skipped, exactly
     a2 = alpha * alpha
-    res = s1 - alpha * pred - (d1 if d1 is not None else 0.0)
-    col = lambda v: v.unsqueeze(-1)
+    col = lambda v: v.unsqueeze(-1) if a2 == 1 else v.unsqueeze(-1) * a2     # x's norms, times alpha^2
     row = lambda v: v.unsqueeze(-2)
-    low = col(xst.block_low()) & row(yst.low)
-    thr = T.threshold(coef, s1=s1, s2=s2, sa=sa, pred=alpha * pred,
-                      x1=col(xst.x1) * a2, xinf=col(xst.xinf) * a2,
-                      xs1=col(xst.xs1) * a2, xsinf=col(xst.xsinf) * a2,
-                      y1=row(yst.r1), yinf=row(yst.rinf), nu=col(xst.nu), low=low,
-                      ex=col(xst.E), ey=row(yst.e), d2=d2, da=da,
-                      t=None if t is None else t * abs(alpha), nsub=nsub)
+    if alpha != 1:
+        pred = alpha * pred
+        t = None if t is None else t * abs(alpha)
+    res = s1 - pred if d1 is None else s1 - pred - d1
+    low = xst.block_low().unsqueeze(-1) & row(yst.low)
+    thr = T.threshold(coef, s1=s1, s2=s2, sa=sa, pred=pred,
+                      x1=col(xst.x1), xinf=col(xst.xinf), xs1=col(xst.xs1), xsinf=col(xst.xsinf),
+                      y1=row(yst.r1), yinf=row(yst.rinf), nu=xst.nu.unsqueeze(-1), low=low,
+                      ex=xst.E.unsqueeze(-1), ey=row(yst.e), d2=d2, da=da, t=t, nsub=nsub)
     return res, thr, nf
 
 
@@ -251,7 +253,8 @@ def check(a, b, c, *, bm, bn, units, acc=None, chk=None, alpha=1.0, addend=None,
         res_c, thr_c, nf_c = _side(coef_c, cs, pred_col, ast, bst, alpha, t_col)
         res_r, thr_r, nf_r = _side(coef_r, [None if z is None else z.mT for z in rs], pred_row.mT, bst, ast, alpha,
                                    None if t_row is None else t_row.mT)
-        res_r, thr_r, nf_r = res_r.mT, thr_r.mT, nf_r.mT         # (..., M, TN)
+        res_r, thr_r = res_r.mT, thr_r.mT                        # (..., M, TN)
+        nf_r = None if nf_r is None else nf_r.mT
         ex_c = ast.E.unsqueeze(-1) + bst.e.unsqueeze(-2)          # scale exponents of the sums
         ex_r = ast.e.unsqueeze(-1) + bst.E.unsqueeze(-2)
 
@@ -260,24 +263,26 @@ def check(a, b, c, *, bm, bn, units, acc=None, chk=None, alpha=1.0, addend=None,
         inputs_ok = (ast.block_finite().unsqueeze(-1) & bst.block_finite().unsqueeze(-2)).expand(*batch, tm, tn)
         col_view = lambda z, v: _pad_blocks(z, bn, v)                            # (..., TM, TN, BN)
         row_view = lambda z, v: _pad_blocks(z.mT, bm, v).transpose(-3, -2)       # (..., TM, TN, BM)
-        if addend is not None:
+        if addend is not None and cs[8] is not None:
             inputs_ok = inputs_ok & _tile_all(col_view(cs[8] == 0, True))
-        c_bad = _tile_any(col_view(nf_c > 0, False)) | _tile_any(row_view(nf_r > 0, False))
-        thr_bad = ~(_tile_all(col_view(torch.isfinite(thr_c), True))
-                    & _tile_all(row_view(torch.isfinite(thr_r), True)))
-        fault = _proves_fault(res_c, thr_c, nf_c, ex_c, c.dtype, col_view) \
-            | _proves_fault(res_r, thr_r, nf_r, ex_r, c.dtype, row_view) \
-            | (_peak(ast, bst, alpha, addend, bm, bn) < torch.finfo(c.dtype).max)
-        status = torch.full(c_bad.shape, L.UNVERIFIED, dtype=torch.float32, device=c.device)
-        status = torch.where(inputs_ok & ~thr_bad & ~c_bad, L.OK, status)
-        status = torch.where(inputs_ok & c_bad & fault, L.NONFINITE, status)
+        thr_ok = _tile_all(col_view(torch.isfinite(thr_c), True)) & _tile_all(row_view(torch.isfinite(thr_r), True))
+        status = torch.where(inputs_ok & thr_ok, L.OK, L.UNVERIFIED)
+        if nf_c is not None:                 # C may hold non-finite values (known finite: skipped)
+            c_bad = _tile_any(col_view(nf_c > 0, False)) | _tile_any(row_view(nf_r > 0, False))
+            fault = _proves_fault(res_c, thr_c, nf_c, ex_c, c.dtype, col_view) \
+                | _proves_fault(res_r, thr_r, nf_r, ex_r, c.dtype, row_view) \
+                | (_peak(ast, bst, alpha, addend, bm, bn) < torch.finfo(c.dtype).max)
+            status = torch.where(c_bad, L.UNVERIFIED, status)
+            status = torch.where(inputs_ok & c_bad & fault, L.NONFINITE, status)
 
         # Ratios: 0 in unverified tiles; a sum over a non-finite element of a NONFINITE tile fails
         # (inf), so the sums locate it.
         inf = float("inf")
         keep = ((status == L.OK) | (status == L.NONFINITE)).unsqueeze(-1)
-        rat_c = torch.where(nf_c > 0, inf, res_c / thr_c)
-        rat_r = torch.where(nf_r > 0, inf, res_r / thr_r)
+        rat_c, rat_r = res_c / thr_c, res_r / thr_r
+        if nf_c is not None:
+            rat_c = torch.where(nf_c > 0, inf, rat_c)
+            rat_r = torch.where(nf_r > 0, inf, rat_r)
         rat_c = torch.nan_to_num(rat_c, inf, inf, -inf)
         rat_r = torch.nan_to_num(rat_r, inf, inf, -inf)
         zero = rat_c.new_zeros(())

@@ -13,6 +13,7 @@ For the rows of an operand x (..., R, K) (the rows of A, or of B^T: the columns 
 Scaling by exact powers of two keeps every square in range and makes the statistics, and the
 verdicts built from them, the same for x and x 2^j.
 """
+import functools
 import math
 import threading
 from dataclasses import dataclass
@@ -62,7 +63,7 @@ def low_entropy(x, samples=16):
     if k == 0:
         return torch.ones(x.shape[:-1], dtype=torch.bool, device=x.device)
     n = min(k, samples)
-    idx = torch.linspace(0, k - 1, n, device=x.device).round().long()
+    idx = _sample_places(k, n, x.device)
     if x.stride(-1) != 1 and x.dim() >= 2:
         v = x.mT.index_select(-2, idx).mT.contiguous()   # gather whole rows of the stored layout
     else:
@@ -75,18 +76,20 @@ def low_entropy(x, samples=16):
     return (distinct <= quarter + 0.5) | (repeated >= quarter)
 
 
-@torch.library.custom_op("abft::exponents", mutates_args=())
-def exponents(amax: torch.Tensor) -> torch.Tensor:
-    """Exponents e (float64) with amax = m 2^e, m in [0.5, 1); 0 for zero or non-finite values.
-    An opaque op: inductor's CPU code cannot vectorise frexp's int32 exponent into float64."""
-    ok = torch.isfinite(amax) & (amax > 0)
-    _, e = torch.frexp(torch.where(ok, amax, torch.ones_like(amax)))
-    return torch.where(ok, e.to(torch.float64), 0.0).clamp(-_EXP_LIMIT, _EXP_LIMIT)
+@functools.lru_cache(maxsize=256)
+def _sample_places(k, n, device):
+    """The ``n`` places low_entropy samples along ``k``, kept: made afresh, they cost more than the
+    test."""
+    return torch.linspace(0, k - 1, n, device=device).round().long()
 
 
-@exponents.register_fake
-def _(amax):
-    return torch.empty_like(amax, dtype=torch.float64)
+def exponents(amax):
+    """Exponents e (float64) with amax = m 2^e, m in [0.5, 1), for amax >= 0 (float64); 0 for zero
+    or non-finite values. Read from the bits (biased exponent - 1022): frexp's int32 exponent is
+    slower, and torch.compile cannot vectorise it. Subnormals give -1022, clamped as frexp's are."""
+    biased = (amax.view(torch.int64) >> 52) & 0x7FF
+    e = (biased - 1022).to(torch.float64).clamp_(-_EXP_LIMIT, _EXP_LIMIT)
+    return torch.where((amax > 0) & (biased < 0x7FF), e, 0.0)
 
 
 def operand_stats(x, bs, *, need_s=False, need_abs=False, rhs=None):
@@ -105,21 +108,41 @@ def operand_stats(x, bs, *, need_s=False, need_abs=False, rhs=None):
     E = _block_max(torch.where(finite & (amax > 0), e, torch.full_like(e, -float("inf"))), bs,
                    fill=-float("inf"))
     E = torch.where(torch.isfinite(E), E, torch.zeros_like(E))
-    row_to_block = (e - E.repeat_interleave(bs, -1)[..., :r])      # <= 0: x 2^-E = (x 2^-e) 2^(e - E)
-    r1 = torch.zeros(*batch, r, **f64)
-    sqsum = torch.zeros(*batch, t, k, **f64)
-    s = torch.zeros(*batch, t, k, **f64)
-    absum = torch.zeros(*batch, t, k, **f64) if need_abs else None
-    times = None if rhs is None else torch.zeros(*batch, r, rhs.shape[-2], **f64)
     # float64 holds the squares of any float32, bf16 or fp16 value: those operands are summed as
     # they are and their sums scaled after, exactly. float64 operands are scaled before squaring.
     prescale = x.dtype == torch.float64
-    if k and r:
-        if x.stride(-2) == 1 and x.stride(-1) != 1 and r > 1:
+    if prescale:
+        row_to_block = (e - E.repeat_interleave(bs, -1)[..., :r])  # <= 0: x 2^-E = (x 2^-e) 2^(e - E)
+    zeros = lambda *shape: torch.zeros(*batch, *shape, **f64)
+    rows_major = not (x.stride(-2) == 1 and x.stride(-1) != 1 and r > 1)
+    step = _rows_per_chunk(x, bs, k) if rows_major else max(1, _CHUNK // max(1, r * math.prod(batch)))
+    if k == 0 or r == 0 or (rows_major and step >= r):
+        # one chunk (or none): its sums are the results, with no buffers to copy them into
+        if not (k and r):
+            r1, times, s, sqsum = zeros(r), None if rhs is None else zeros(r, rhs.shape[-2]), zeros(t, k), zeros(t, k)
+            absum = zeros(t, k) if need_abs else None
+        else:
+            xs = x.to(torch.float64)
+            if prescale:
+                xs = xs * torch.exp2(-e).unsqueeze(-1)
+            sq = _square(xs)
+            r1 = sq.sum(-1)
+            times = None if rhs is None else xs @ rhs.mT
+            if prescale:
+                fb = torch.exp2(row_to_block).unsqueeze(-1)
+                xb, sqb = xs * fb, sq * (fb * fb)
+            else:
+                xb, sqb = xs, sq
+            s, sqsum = _sum_blocks(xb, bs, -2), _sum_blocks(sqb, bs, -2)
+            absum = _sum_blocks(xb.abs(), bs, -2) if need_abs else None
+    else:
+        r1, sqsum, s = zeros(r), zeros(t, k), zeros(t, k)
+        absum = zeros(t, k) if need_abs else None
+        times = None if rhs is None else zeros(r, rhs.shape[-2])
+        if not rows_major:
             # column-major (B^T of a row-major B): chunk along K, rows of the chunk transposed
-            step = max(1, _CHUNK // max(1, r * math.prod(batch)))
             sc = torch.exp2(-e).unsqueeze(-1)
-            fb = torch.exp2(row_to_block).unsqueeze(-1)
+            fb = torch.exp2(row_to_block).unsqueeze(-1) if prescale else None
             for k0 in range(0, k, step):
                 xs = x[..., :, k0:k0 + step].to(torch.float64)               # (..., R, kk)
                 if prescale:
@@ -134,7 +157,6 @@ def operand_stats(x, bs, *, need_s=False, need_abs=False, rhs=None):
                 if need_abs:
                     absum[..., k0:k0 + step] = _sum_blocks(xb.abs(), bs, -2)
         else:
-            step = _rows_per_chunk(x, bs, k)
             for r0 in range(0, r, step):
                 t0, t1 = r0 // bs, r0 // bs + -(-min(step, r - r0) // bs)
                 xs = x[..., r0:r0 + step, :].to(torch.float64)
@@ -170,7 +192,7 @@ def operand_stats(x, bs, *, need_s=False, need_abs=False, rhs=None):
 
 def _sum_blocks(x, bs, dim):
     """Sums of consecutive blocks of ``bs`` along ``dim`` (negative); the last may be shorter."""
-    nf, r = divmod(x.shape[dim], bs)
+    nf, r = x.shape[dim] // bs, x.shape[dim] % bs
     if r == 0:
         return x.unflatten(dim, (nf, bs)).sum(dim)
     parts = []
