@@ -288,8 +288,9 @@ def check(a, b, c, *, bm, bn, units, acc=None, chk=None, alpha=1.0, addend=None,
         zero = rat_c.new_zeros(())
         rc = torch.where(keep, col_view(rat_c, 0.0), zero)                       # (..., TM, TN, BN)
         rr = torch.where(keep, row_view(rat_r, 0.0), zero)                       # (..., TM, TN, BM)
-        real_c = lambda z: z * torch.exp2(ex_c)
-        real_r = lambda z: z * torch.exp2(ex_r)
+        sc_c, sc_r = torch.exp2(ex_c), torch.exp2(ex_r)
+        real_c = lambda z: z * sc_c
+        real_r = lambda z: z * sc_r
         q_off = torch.arange(tn, device=c.device, dtype=F64) * bn
         p_off = (torch.arange(tm, device=c.device, dtype=F64) * bm).unsqueeze(-1)
         cw, cf, cidx, cres, cthr = _tile_fields(rc, col_view(real_c(res_c), 0.0), col_view(real_c(thr_c), 1.0), q_off)
@@ -346,6 +347,6 @@ def _tile_fields(ratio, res, thr, offset):
     worst, idx = mag.max(-1)
     fails = torch.count_nonzero(mag > 1, dim=-1).to(ratio.dtype)
     where = idx.to(ratio.dtype) + offset
-    where = torch.where(fails > 0, where, torch.full_like(where, -1.0))
+    where = torch.where(fails > 0, where, -1.0)
     pick = idx.unsqueeze(-1)
     return worst, fails, where, res.gather(-1, pick).squeeze(-1), thr.gather(-1, pick).squeeze(-1)

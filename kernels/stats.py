@@ -83,13 +83,14 @@ def _sample_places(k, n, device):
     return torch.linspace(0, k - 1, n, device=device).round().long()
 
 
-def exponents(amax):
+def exponents(amax, ok=None):
     """Exponents e (float64) with amax = m 2^e, m in [0.5, 1), for amax >= 0 (float64); 0 for zero
-    or non-finite values. Read from the bits (biased exponent - 1022): frexp's int32 exponent is
-    slower, and torch.compile cannot vectorise it. Subnormals give -1022, clamped as frexp's are."""
+    or non-finite values (``ok``: the mask of the others, if the caller has it). Read from the bits
+    (biased exponent - 1022): frexp's int32 exponent is slower, and torch.compile cannot vectorise
+    it. Subnormals give -1022, clamped as frexp's are."""
     biased = (amax.view(torch.int64) >> 52) & 0x7FF
     e = (biased - 1022).to(torch.float64).clamp_(-_EXP_LIMIT, _EXP_LIMIT)
-    return torch.where((amax > 0) & (biased < 0x7FF), e, 0.0)
+    return torch.where((amax > 0) & (biased < 0x7FF) if ok is None else ok, e, 0.0)
 
 
 def operand_stats(x, bs, *, need_s=False, need_abs=False, rhs=None):
@@ -103,10 +104,10 @@ def operand_stats(x, bs, *, need_s=False, need_abs=False, rhs=None):
     amax = (torch.maximum(x.amax(-1), -x.amin(-1)).to(torch.float64) if k
             else torch.zeros(*batch, r, **f64))
     finite = torch.isfinite(amax)
-    e = exponents(amax)
+    scaled = finite & (amax > 0)
+    e = exponents(amax, scaled)
     # zero rows (and non-finite ones) do not set their block's scale; an all-zero block has E = 0
-    E = _block_max(torch.where(finite & (amax > 0), e, torch.full_like(e, -float("inf"))), bs,
-                   fill=-float("inf"))
+    E = _block_max(torch.where(scaled, e, -float("inf")), bs, fill=-float("inf"))
     E = torch.where(torch.isfinite(E), E, torch.zeros_like(E))
     # float64 holds the squares of any float32, bf16 or fp16 value: those operands are summed as
     # they are and their sums scaled after, exactly. float64 operands are scaled before squaring.
