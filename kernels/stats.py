@@ -76,11 +76,19 @@ def low_entropy(x, samples=16):
     return (distinct <= quarter + 0.5) | (repeated >= quarter)
 
 
-@functools.lru_cache(maxsize=256)
 def _sample_places(k, n, device):
-    """The ``n`` places low_entropy samples along ``k``, kept: made afresh, they cost more than the
-    test."""
+    """The ``n`` places low_entropy samples along ``k``, kept between calls (made afresh, they cost
+    more than the test), except where torch.compile traces (constants in its graph)."""
+    if torch.compiler.is_compiling():
+        return _places(k, n, device)
+    return _kept_places(k, n, device)
+
+
+def _places(k, n, device):
     return torch.linspace(0, k - 1, n, device=device).round().long()
+
+
+_kept_places = functools.lru_cache(maxsize=256)(_places)
 
 
 def exponents(amax, ok=None):
