@@ -6,10 +6,17 @@ whatever their size) dominate.
   interleaved pairs after a warm-up, one thread;
 - check: ``reference.check`` alone on the same product, and the count of torch ops it issues;
 - with ``--compile``: the same check through ``torch.compile`` (inductor, one graph), its compile
-  time for the shape, its cost per call, and whether its verdicts equal the eager check's.
+  time for the shape, its cost per call, and whether its verdicts equal the eager check's;
+- with ``--against DIR`` (another commit's ``kernels/``, e.g. from ``git archive``): both rows for
+  that check too, alternated call by call with this tree's in one process (separate processes on
+  a shared machine differ by more than the change), and whether their verdicts are equal.
 """
 import argparse
+import importlib
+import pathlib
 import statistics
+import sys
+import tempfile
 import time
 
 import torch
@@ -44,46 +51,96 @@ def _same(x, y):
     return torch.equal(x[0], y[0]) and all(torch.equal(p, q) for p, q in zip(x[1], y[1]))
 
 
-def main(pairs=2000, warmup=200, size=64, compile=False):
+def load_other(kernels_dir):
+    """Another commit's ``kernels/`` as a package of its own (its imports of ``abft.kernels``
+    rewritten), so that its reference module can stand in for this tree's."""
+    root = pathlib.Path(tempfile.mkdtemp(prefix="abft_other_"))
+    pkg = root / "abft_other"
+    pkg.mkdir()
+    for f in pathlib.Path(kernels_dir).glob("*.py"):
+        (pkg / f.name).write_text(f.read_text().replace("abft.kernels", "abft_other"))
+    for name in [m for m in sys.modules if m == "abft_other" or m.startswith("abft_other.")]:
+        del sys.modules[name]                     # an earlier call's
+    sys.path.insert(0, str(root))
+    try:
+        return importlib.import_module("abft_other.reference")
+    finally:
+        sys.path.remove(str(root))
+
+
+def main(pairs=2000, warmup=200, size=64, compile=False, against=None):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _measure(pairs, warmup, size, compile)
+        return _measure(pairs, warmup, size, compile, against)
     finally:
         torch.set_num_threads(threads)
 
 
-def _measure(pairs, warmup, size, compile):
+def _measure(pairs, warmup, size, compile, against):
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(size, size, generator=g), torch.randn(size, size, generator=g)
     c = a @ b
+    kw = dict(bm=size, bn=size, units=reference.units_for(c))
+    ours = (reference.check, reference.weight_stats)
+    arms = {"this tree": ours}
+    if against is not None:
+        other = load_other(against)
+        arms["--against"] = (other.check, other.weight_stats)
+
+    def use(arm):
+        reference.check, reference.weight_stats = arms[arm]
 
     def checked():
         abft.matmul(a, b)
         abft.flush()
 
-    with abft.config(backend="reference", policy="record"):
-        for _ in range(warmup):
-            checked()
-            a @ b
-        d = []
-        for _ in range(pairs):
-            t0 = time.perf_counter()
-            checked()
-            t1 = time.perf_counter()
-            a @ b
-            t2 = time.perf_counter()
-            d.append((t1 - t0) - (t2 - t1))
-    api = statistics.median(d) * 1e3
-    kw = dict(bm=size, bn=size, units=reference.units_for(c))
+    api = {arm: [] for arm in arms}
+    alone = {arm: [] for arm in arms}
+    try:
+        with abft.config(backend="reference", policy="record"):
+            for _ in range(warmup):
+                for arm in arms:
+                    use(arm)
+                    checked()
+                    a @ b
+                    reference.check(a, b, c, **kw)
+            for i in range(pairs):
+                for arm in arms:
+                    use(arm)
+                    t0 = time.perf_counter()
+                    checked()
+                    t1 = time.perf_counter()
+                    a @ b
+                    t2 = time.perf_counter()
+                    reference.check(a, b, c, **kw)
+                    t3 = time.perf_counter()
+                    api[arm].append((t1 - t0) - (t2 - t1))
+                    alone[arm].append(t3 - t2)
+    finally:
+        use("this tree")
+    print(f"{size}x{size}x{size} float32, 1 thread, medians of {pairs} interleaved calls after {warmup}:")
+    out = {}
+    for arm in arms:
+        use(arm)
+        with _Count() as n:
+            verdict = reference.check(a, b, c, **kw)
+        use("this tree")
+        o = dict(api_ms=statistics.median(api[arm]) * 1e3, check_ms=statistics.median(alone[arm]) * 1e3,
+                 ops=n.n, verdict=verdict)
+        print(f"  {arm:10s} api   abft.matmul + flush - plain  {o['api_ms']:7.3f} ms")
+        print(f"  {arm:10s} check reference.check (eager)      {o['check_ms']:7.3f} ms  {n.n} torch ops")
+        out[arm] = o
+    if against is not None:
+        t, o = out["this tree"], out["--against"]
+        same = _same(t.pop("verdict"), o.pop("verdict"))
+        print(f"  this tree / --against: api {t['api_ms'] / o['api_ms']:.3f}, check "
+              f"{t['check_ms'] / o['check_ms']:.3f}; verdicts {'equal' if same else 'DIFFER'}")
+        out["equal"] = same
+    else:
+        out["this tree"].pop("verdict")
+    out.update(out.pop("this tree"))
     run = lambda: reference.check(a, b, c, **kw)
-    eager = _median_ms(run, pairs, warmup)
-    with _Count() as n:
-        run()
-    print(f"{size}x{size}x{size} float32, 1 thread, medians of {pairs} calls after {warmup}:")
-    print(f"  api    abft.matmul + flush - plain  {api:7.3f} ms")
-    print(f"  check  reference.check (eager)      {eager:7.3f} ms  {n.n} torch ops")
-    out = dict(api_ms=api, check_ms=eager, ops=n.n)
     if compile:
         fn = torch.compile(reference.check, fullgraph=True, dynamic=False)
         t0 = time.perf_counter()
@@ -91,9 +148,9 @@ def _measure(pairs, warmup, size, compile):
         secs = time.perf_counter() - t0
         compiled = _median_ms(lambda: fn(a, b, c, **kw), pairs, warmup)
         same = _same(first, run())
-        print(f"  check  torch.compile'd              {compiled:7.3f} ms  compile {secs:.1f} s, "
+        print(f"  this tree  check torch.compile'd              {compiled:7.3f} ms  compile {secs:.1f} s, "
               f"verdicts {'equal' if same else 'DIFFER'}")
-        out.update(compiled_ms=compiled, compile_s=secs, equal=same)
+        out.update(compiled_ms=compiled, compile_s=secs, compiled_equal=same)
     return out
 
 
@@ -102,5 +159,8 @@ if __name__ == "__main__":
     p.add_argument("--pairs", type=int, default=2000)
     p.add_argument("--size", type=int, default=64)
     p.add_argument("--compile", action="store_true")
+    p.add_argument("--against", metavar="DIR", help="another commit's kernels/ to alternate with")
     args = p.parse_args()
-    main(pairs=args.pairs, size=args.size, compile=args.compile)
+    if args.against is not None and not (pathlib.Path(args.against) / "reference.py").is_file():
+        p.error(f"--against: no reference.py in {args.against}")
+    main(pairs=args.pairs, size=args.size, compile=args.compile, against=args.against)

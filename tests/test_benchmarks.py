@@ -26,8 +26,19 @@ def test_fixedcost_measures_the_api_and_the_check(capsys):
     assert out["api_ms"] > 0 and out["check_ms"] > 0 and 100 < out["ops"] < 2000
 
 
+def test_fixedcost_alternates_with_another_kernels_tree(capsys):
+    """--against: the same kernels/ loaded a second time, under another package name: both arms
+    timed, the same op count, equal verdicts."""
+    import pathlib
+    import fixedcost
+    here = pathlib.Path(__file__).resolve().parents[1] / "kernels"
+    out = fixedcost.main(pairs=10, warmup=3, against=here)
+    assert out["equal"] and out["--against"]["ops"] == out["ops"] and out["--against"]["api_ms"] > 0
+    assert "this tree / --against" in capsys.readouterr().out
+
+
 @pytest.mark.slow
 def test_fixedcost_compiles_the_check_to_the_same_verdicts(capsys):
     import fixedcost
     out = fixedcost.main(pairs=20, warmup=5, compile=True)
-    assert out["equal"] and out["compile_s"] > 0 and out["compiled_ms"] > 0
+    assert out["compiled_equal"] and out["compile_s"] > 0 and out["compiled_ms"] > 0
