@@ -9,7 +9,8 @@ whatever their size) dominate.
   time for the shape, its cost per call, and whether its verdicts equal the eager check's;
 - with ``--against DIR`` (another commit's ``kernels/``, e.g. from ``git archive``): both rows for
   that check too, alternated call by call with this tree's in one process (separate processes on
-  a shared machine differ by more than the change), and whether their verdicts are equal.
+  a shared machine differ by more than the change), and whether their verdicts are bit-equal, on
+  this product and on ``cases()``.
 """
 import argparse
 import importlib
@@ -68,6 +69,67 @@ def load_other(kernels_dir):
         sys.path.remove(str(root))
 
 
+def cases():
+    """(a, b, c, kwargs) of the check's special paths: 4 dtypes, odd tiles, column-major and batched
+    B, inf/NaN outputs and inputs, addends with alpha/beta, zeros, several chunks, K = 1 and 0."""
+    g = torch.Generator().manual_seed(1)
+    r = lambda *shape: torch.randn(*shape, generator=g)
+    for dt in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        for m, k, n, bm, bn in ((64, 64, 64, 64, 64), (70, 33, 90, 32, 64), (3, 200, 5, 2, 4),
+                                (130, 16, 40, 64, 16)):
+            a, b = r(m, k).to(dt), r(k, n).to(dt)
+            c = a @ b
+            t = dict(bm=bm, bn=bn)
+            yield a, b, c, t
+            yield a, b.t().contiguous().t(), c, t
+            c2 = c.clone()
+            c2[m // 2, n // 3] = float("inf")
+            yield a, b, c2, t
+            c3 = c.clone()
+            c3[0, 0] = float("nan")
+            c3[-1, -1] += 100
+            yield a, b, c3, t
+            a2 = a.clone()
+            a2[-1, -1] = float("nan")
+            yield a2, b, a2 @ b, t
+            d = r(n).to(dt)
+            yield a, b, torch.addmm(d, a, b, alpha=-1.0), dict(t, alpha=-1.0, addend=d)
+            yield a, b, torch.addmm(d, a, b, alpha=0.5, beta=2.0), dict(t, alpha=0.5, addend=d, beta=2.0)
+            d2 = d.clone()
+            d2[0] = float("inf")
+            yield a, b, torch.addmm(d2, a, b), dict(t, addend=d2)
+            ab, bb = r(3, m, k).to(dt), r(3, k, n).to(dt)
+            cb = ab @ bb
+            cb[1, 0, 0] = 6e4
+            yield ab, bb, cb, t
+            yield a * 0, b, (a * 0) @ b, t
+        a, b = r(300, 4096).to(dt), r(4096, 200).to(dt)          # several chunks of rows
+        yield a, b, a @ b, dict(bm=64, bn=64)
+        yield a, b.t().contiguous().t(), a @ b, dict(bm=64, bn=64)
+        a3, b3 = r(2, 3, 40, 24).to(dt), r(2, 3, 50, 24).to(dt).mT
+        b2 = r(24, 50).to(dt)
+        yield a3, b2, a3 @ b2, dict(bm=16, bn=32)                  # batch against 2-D
+        yield a3, b3, a3 @ b3, dict(bm=16, bn=32)
+        yield a3[..., :1], b3[..., :1, :], a3[..., :1] @ b3[..., :1, :], dict(bm=16, bn=32)
+        yield r(5, 0).to(dt), r(0, 7).to(dt), torch.zeros(5, 7).to(dt), dict(bm=4, bn=4)
+
+
+def _equal_nan(x, y):
+    return torch.equal(torch.nan_to_num(x, 7.0, 8.0, 9.0), torch.nan_to_num(y, 7.0, 8.0, 9.0)) \
+        and torch.equal(x.isnan(), y.isnan())
+
+
+def equal_on_cases(other):
+    """How many of ``cases()`` give bit-equal verdicts and details with ``other``'s check."""
+    same = total = 0
+    for a, b, c, kw in cases():
+        kw = dict(kw, units=reference.units_for(c))
+        x, y = reference.check(a, b, c, **kw), other.check(a, b, c, **kw)
+        same += _equal_nan(x[0], y[0]) and all(_equal_nan(p, q) for p, q in zip(x[1], y[1]))
+        total += 1
+    return same, total
+
+
 def main(pairs=2000, warmup=200, size=64, compile=False, against=None):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -87,6 +149,8 @@ def _measure(pairs, warmup, size, compile, against):
     if against is not None:
         other = load_other(against)
         arms["--against"] = (other.check, other.weight_stats)
+        on_cases = equal_on_cases(other)
+        print(f"special cases: {on_cases[0]} of {on_cases[1]} bit-equal with --against")
 
     def use(arm):
         reference.check, reference.weight_stats = arms[arm]
@@ -137,6 +201,7 @@ def _measure(pairs, warmup, size, compile, against):
         print(f"  this tree / --against: api {t['api_ms'] / o['api_ms']:.3f}, check "
               f"{t['check_ms'] / o['check_ms']:.3f}; verdicts {'equal' if same else 'DIFFER'}")
         out["equal"] = same
+        out["cases"] = on_cases
     else:
         out["this tree"].pop("verdict")
     out.update(out.pop("this tree"))

@@ -34,6 +34,8 @@ def test_fixedcost_alternates_with_another_kernels_tree(capsys):
     here = pathlib.Path(__file__).resolve().parents[1] / "kernels"
     out = fixedcost.main(pairs=10, warmup=3, against=here)
     assert out["equal"] and out["--against"]["ops"] == out["ops"] and out["--against"]["api_ms"] > 0
+    same, total = out["cases"]
+    assert same == total >= 100
     assert "this tree / --against" in capsys.readouterr().out
 
 
