@@ -78,8 +78,9 @@ def low_entropy(x, samples=16):
 
 def _sample_places(k, n, device):
     """The ``n`` places low_entropy samples along ``k``, kept between calls (made afresh, they cost
-    more than the test), except where torch.compile traces (constants in its graph)."""
-    if torch.compiler.is_compiling():
+    more than the test), except where torch.compile traces (constants in its graph) or a CUDA graph
+    is being captured (a tensor made there holds its values only once the graph is replayed)."""
+    if torch.compiler.is_compiling() or (device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
         return _places(k, n, device)
     return _kept_places(k, n, device)
 
@@ -88,7 +89,10 @@ def _places(k, n, device):
     return torch.linspace(0, k - 1, n, device=device).round().long()
 
 
-_kept_places = functools.lru_cache(maxsize=256)(_places)
+@functools.lru_cache(maxsize=256)
+def _kept_places(k, n, device):
+    with torch.inference_mode(False):      # made under inference_mode, it could not serve autograd
+        return _places(k, n, device)
 
 
 def exponents(amax, ok=None):
@@ -261,7 +265,8 @@ def _workspace(shape, slot, device):
         pool = _local.pool = {}
     buf = pool.get(slot)
     if buf is None or buf.numel() < n:
-        buf = pool[slot] = torch.empty(max(n, 1), dtype=torch.float64)
+        with torch.inference_mode(False):  # an inference tensor could not be written outside it
+            buf = pool[slot] = torch.empty(max(n, 1), dtype=torch.float64)
     return buf[:n].view(shape)
 
 

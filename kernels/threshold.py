@@ -221,20 +221,36 @@ def threshold(c, *, s1, s2, sa, pred, x1, xinf, xs1, xsinf, y1, yinf, nu, low, e
     big = torch.finfo(s1.dtype).max
     check = c.c_p2 * torch.clamp(pred * pred, max=big) + c.c_qs * qs \
         + c.c_s12 * torch.clamp(s1 * s1, max=big) + c.c_s2 * s2 + c.c_q * q
-    # A term whose coefficient is 0 adds exactly 0 to finite sums and is skipped (a torch op is
-    # microseconds whatever its size); where an input is not finite the tile is unverified anyway.
+    # A term whose coefficient is 0 is skipped (a torch op costs microseconds whatever its size):
+    # it adds exactly 0 where its operands are finite, and NaN (0 * inf) where one is not, which
+    # 0 * the largest of the skipped terms' operands (all >= 0) still does. (Skipped, eta is
+    # 2^-1000: its square is 0.)
+    skipped = []
     if c.eta_log2 > -1000.0 or c.eta_absolute:
         eta = torch.exp2(torch.clamp(c.eta_log2 - c.eta_absolute * ex, min=-1000.0))
         check = check + eta * eta / 3 * y1
+    else:
+        skipped.append(y1)
     apred = pred.abs()
     thr = c.lam * torch.sqrt(nu * prod + check) + c.bias * apred
     if c.directed:
         thr = thr + c.directed * (0.5 * apred + torch.sqrt(q / 3))
+    else:
+        skipped += [apred, q]
     if c.directed_chk:
         thr = thr + c.directed_chk * (0.5 * apred + torch.sqrt(qs / 3))
+    else:
+        skipped += [qs] if c.directed else [apred, qs]
     thr = thr + torch.where(low, c.lowent * sa, torch.zeros_like(sa))
     if c.out:
         thr = thr + c.out * sa
+    else:
+        skipped.append(sa)
+    if skipped:
+        largest = skipped[0]
+        for z in skipped[1:]:
+            largest = torch.maximum(largest, z)
+        thr = thr + 0.0 * largest
     if c.out_add and da is not None:
         thr = thr + c.out_add * da
     nout = c.bs if nsub is None else nsub
