@@ -123,11 +123,6 @@ def _verify_triton(pb, ctx, s):
 VERIFY = {"reference": _verify_reference, "triton": _verify_triton}
 
 
-def _use_triton(*ts):
-    """The backend for these operands: triton when configured (auto: on CUDA tensors)."""
-    return backends.runs_on_triton(_config.get().backend, *ts)
-
-
 def _require_float(op, *ts):
     for t in ts:
         if t.dtype not in SUPPORTED:
@@ -259,10 +254,10 @@ def enabled():
 
 def _route(*ts, shape_ok=True):
     """Where an op runs: "off" (checks disabled: the torch op), "triton" (the fused kernel, for
-    operands it takes under the configured backend) or "reference"."""
+    operands it takes under the configured backend; auto: on CUDA tensors) or "reference"."""
     if not enabled():
         return "off"
-    return "triton" if shape_ok and _use_triton(*ts) else "reference"
+    return "triton" if shape_ok and backends.runs_on_triton(_config.get().backend, *ts) else "reference"
 
 
 # A Problem's again() builds a new Problem without referring to the old one: a reference cycle
@@ -287,7 +282,8 @@ def matmul(a, b, *, op="matmul", phase="forward", module=None, a_rg=False, b_rg=
     caller's operands require grad, which steers that decomposition as it steers torch's.
     ``b_stats``: statistics of a 2-D ``b`` kept between calls (a weight's, ``abft.weightcache``),
     used when the decomposition multiplies by ``b`` as given."""
-    if not enabled():
+    route = _route(a, b)
+    if route == "off":
         return torch.matmul(a, b)
     _require_float(op, a, b)
     plan = decompose.Plan(a, b, a_rg, b_rg)
@@ -297,7 +293,7 @@ def matmul(a, b, *, op="matmul", phase="forward", module=None, a_rg=False, b_rg=
         return matmul(a, b.squeeze(0), op=op, phase=phase, module=module, a_rg=a_rg, b_rg=b_rg)
     x, y, flat, fin, compute = _canonical(plan, a, b)
     kw = dict(flat_rows=flat, finish=fin, b_stats=_kept(y, b, b_stats))
-    pb = _kernel(op, x, y, **kw) if _use_triton(a, b) else _computed(op, x, y, compute, **kw)
+    pb = _kernel(op, x, y, **kw) if route == "triton" else _computed(op, x, y, compute, **kw)
     return run_checked(pb, phase=phase, module=module)
 
 

@@ -51,7 +51,10 @@ def _median_ms(fn, reps, warmup):
 
 
 def _same(x, y):
-    return torch.equal(x[0], y[0]) and all(torch.equal(p, q) for p, q in zip(x[1], y[1]))
+    """Two checks' (verdict, detail) equal bit for bit, NaN where NaN (its sign aside)."""
+    eq = lambda p, q: torch.equal(torch.nan_to_num(p, 7.0, 8.0, 9.0), torch.nan_to_num(q, 7.0, 8.0, 9.0)) \
+        and torch.equal(p.isnan(), q.isnan())
+    return eq(x[0], y[0]) and all(eq(p, q) for p, q in zip(x[1], y[1]))
 
 
 def load_other(kernels_dir):
@@ -124,18 +127,12 @@ def cases():
         yield r(5, 0).to(dt), r(0, 7).to(dt), torch.zeros(5, 7).to(dt), dict(bm=4, bn=4)
 
 
-def _equal_nan(x, y):
-    return torch.equal(torch.nan_to_num(x, 7.0, 8.0, 9.0), torch.nan_to_num(y, 7.0, 8.0, 9.0)) \
-        and torch.equal(x.isnan(), y.isnan())
-
-
 def equal_on_cases(other):
     """How many of ``cases()`` give bit-equal verdicts and details with ``other``'s check."""
     same = total = 0
     for a, b, c, kw in cases():
         kw = dict(kw, units=reference.units_for(c))
-        x, y = reference.check(a, b, c, **kw), other.check(a, b, c, **kw)
-        same += _equal_nan(x[0], y[0]) and all(_equal_nan(p, q) for p, q in zip(x[1], y[1]))
+        same += _same(reference.check(a, b, c, **kw), other.check(a, b, c, **kw))
         total += 1
     return same, total
 
@@ -180,7 +177,7 @@ def _measure(pairs, warmup, size, compile, against):
                     checked()
                     a @ b
                     reference.check(a, b, c, **kw)
-            for i in range(pairs):
+            for _ in range(pairs):
                 for arm in arms:
                     use(arm)
                     t0 = time.perf_counter()

@@ -265,7 +265,8 @@ def check(a, b, c, *, bm, bn, units, acc=None, chk=None, alpha=1.0, addend=None,
         row_view = lambda z, v: _pad_blocks(z.mT, bm, v).transpose(-3, -2)       # (..., TM, TN, BM)
         if addend is not None and cs[8] is not None:
             inputs_ok = inputs_ok & _tile_all(col_view(cs[8] == 0, True))
-        thr_ok = _tile_all(col_view(torch.isfinite(thr_c), True)) & _tile_all(row_view(torch.isfinite(thr_r), True))
+        thr_ok = _tile_all(col_view(torch.isfinite(thr_c), True)) \
+            & _tile_all(row_view(torch.isfinite(thr_r), True))
         status = torch.where(inputs_ok & thr_ok, L.OK, L.UNVERIFIED)
         if nf_c is not None:                 # C may hold non-finite values (known finite: skipped)
             c_bad = _tile_any(col_view(nf_c > 0, False)) | _tile_any(row_view(nf_r > 0, False))

@@ -124,35 +124,35 @@ def operand_stats(x, bs, *, need_s=False, need_abs=False, rhs=None):
     # float64 holds the squares of any float32, bf16 or fp16 value: those operands are summed as
     # they are and their sums scaled after, exactly. float64 operands are scaled before squaring.
     prescale = x.dtype == torch.float64
-    if prescale:
-        row_to_block = (e - E.repeat_interleave(bs, -1)[..., :r])  # <= 0: x 2^-E = (x 2^-e) 2^(e - E)
+    # x 2^-E = (x 2^-e) 2^(e - E), e - E <= 0 (float64 operands only)
+    row_to_block = (e - E.repeat_interleave(bs, -1)[..., :r]) if prescale else None
+
+    def row_sums(xr, er, rtb):
+        """Rows xr (..., rows, K) of x (whole blocks), with their e and row_to_block: the sums of
+        r1, times, s, sqsum and absum over them."""
+        xs = xr.to(torch.float64)
+        if prescale:
+            xs = xs * torch.exp2(-er).unsqueeze(-1)
+        sq = _square(xs)
+        if prescale:
+            fb = torch.exp2(rtb).unsqueeze(-1)
+            xb, sqb = xs * fb, sq * (fb * fb)
+        else:
+            xb, sqb = xs, sq
+        return (sq.sum(-1), None if rhs is None else xs @ rhs.mT, _sum_blocks(xb, bs, -2),
+                _sum_blocks(sqb, bs, -2), _sum_blocks(xb.abs(), bs, -2) if need_abs else None)
+
     zeros = lambda *shape: torch.zeros(*batch, *shape, **f64)
     rows_major = not (x.stride(-2) == 1 and x.stride(-1) != 1 and r > 1)
     step = _rows_per_chunk(x, bs, k) if rows_major else max(1, _CHUNK // max(1, r * math.prod(batch)))
-    if k == 0 or r == 0 or (rows_major and step >= r):
-        # one chunk (or none): its sums are the results, with no buffers to copy them into
-        if not (k and r):
-            r1, times, s, sqsum = zeros(r), None if rhs is None else zeros(r, rhs.shape[-2]), zeros(t, k), zeros(t, k)
-            absum = zeros(t, k) if need_abs else None
-        else:
-            xs = x.to(torch.float64)
-            if prescale:
-                xs = xs * torch.exp2(-e).unsqueeze(-1)
-            sq = _square(xs)
-            r1 = sq.sum(-1)
-            times = None if rhs is None else xs @ rhs.mT
-            if prescale:
-                fb = torch.exp2(row_to_block).unsqueeze(-1)
-                xb, sqb = xs * fb, sq * (fb * fb)
-            else:
-                xb, sqb = xs, sq
-            s, sqsum = _sum_blocks(xb, bs, -2), _sum_blocks(sqb, bs, -2)
-            absum = _sum_blocks(xb.abs(), bs, -2) if need_abs else None
+    if k and r and rows_major and step >= r:
+        # one chunk: its sums are the results, with no buffers to copy them into
+        r1, times, s, sqsum, absum = row_sums(x, e, row_to_block)
     else:
         r1, sqsum, s = zeros(r), zeros(t, k), zeros(t, k)
         absum = zeros(t, k) if need_abs else None
         times = None if rhs is None else zeros(r, rhs.shape[-2])
-        if not rows_major:
+        if k and r and not rows_major:
             # column-major (B^T of a row-major B): chunk along K, rows of the chunk transposed
             sc = torch.exp2(-e).unsqueeze(-1)
             fb = torch.exp2(row_to_block).unsqueeze(-1) if prescale else None
@@ -169,25 +169,17 @@ def operand_stats(x, bs, *, need_s=False, need_abs=False, rhs=None):
                 sqsum[..., k0:k0 + step] = _sum_blocks(sq * (fb * fb) if prescale else sq, bs, -2)
                 if need_abs:
                     absum[..., k0:k0 + step] = _sum_blocks(xb.abs(), bs, -2)
-        else:
+        elif k and r:
             for r0 in range(0, r, step):
-                t0, t1 = r0 // bs, r0 // bs + -(-min(step, r - r0) // bs)
-                xs = x[..., r0:r0 + step, :].to(torch.float64)
-                if prescale:
-                    xs = xs * torch.exp2(-e[..., r0:r0 + step]).unsqueeze(-1)
-                sq = _square(xs)
-                r1[..., r0:r0 + step] = sq.sum(-1)
+                rows, blocks = slice(r0, r0 + step), slice(r0 // bs, r0 // bs + -(-min(step, r - r0) // bs))
+                parts = row_sums(x[..., rows, :], e[..., rows],
+                                 None if row_to_block is None else row_to_block[..., rows])
+                r1[..., rows] = parts[0]
                 if rhs is not None:
-                    times[..., r0:r0 + step, :] = xs @ rhs.mT
-                if prescale:
-                    fb = torch.exp2(row_to_block[..., r0:r0 + step]).unsqueeze(-1)
-                    xb, sqb = xs * fb, sq * (fb * fb)
-                else:
-                    xb, sqb = xs, sq
-                s[..., t0:t1, :] = _sum_blocks(xb, bs, -2)
-                sqsum[..., t0:t1, :] = _sum_blocks(sqb, bs, -2)
+                    times[..., rows, :] = parts[1]
+                s[..., blocks, :], sqsum[..., blocks, :] = parts[2], parts[3]
                 if need_abs:
-                    absum[..., t0:t1, :] = _sum_blocks(xb.abs(), bs, -2)
+                    absum[..., blocks, :] = parts[4]
     rinf = (amax * torch.exp2(-e)) ** 2                       # max_k of the scaled squares
     if not prescale:
         row, blk = torch.exp2(-e), torch.exp2(-E).unsqueeze(-1)
