@@ -148,6 +148,9 @@ def main(argv=None):
         return _ledger(args)
     if args.cmd == "demo":
         return _demo(args)
+    if args.cmd == "bench" and args.validate:
+        from abft.bench import validate
+        return validate.main(args)
     if args.cmd == "bench":
         return overhead.main(args)
     ap.print_help()

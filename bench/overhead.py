@@ -164,8 +164,17 @@ def add_arguments(ap):
     ap.add_argument("--static", action="store_true",
                     help="no GPU needed: compile every kernel of a checked call for --arch, read "
                          "its SASS, estimate the cost at H200 peaks; writes --out/report.json")
+    ap.add_argument("--validate", action="store_true",
+                    help="the fused kernel on a GPU in one command: the tensor cores' "
+                         "accumulation, the bf16 per-bit table, the stress set (zero false "
+                         "alarms), checked / unchecked / cuBLAS timings; --out/validate.json and "
+                         "validate.md (--smoke: tiny shapes, the interpreter without a GPU)")
+    ap.add_argument("--budget", type=float, default=450.0,
+                    help="with --validate: seconds for the whole run (later sections are skipped)")
     ap.add_argument("--arch", default="90", help="with --static: 90 (sm_90a, gated) or 80 (sm_80)")
-    ap.add_argument("--out", default="runs/static", help="with --static: the report's folder")
+    ap.add_argument("--out", default=None,
+                    help="with --static or --validate: the report's folder (default runs/static, "
+                         "runs/validate)")
     ap.add_argument("--model", default=None,
                     help="package.module:factory returning (model, inputs) with model(*inputs) a "
                          "loss: time one training step plain vs protected")
@@ -200,41 +209,23 @@ def rotation(nbytes, l2_bytes, cap=64):
     return max(2, min(cap, -(-2 * l2_bytes // max(nbytes, 1))))
 
 
-def kernel_bench(args):
-    """The fused kernel on CUDA: checked, checks compiled out, torch.matmul (cuBLAS), plus a
-    correctness pass against float64. ``--smoke``: tiny shapes; without a GPU it runs on the
-    CPU through the Triton interpreter (TRITON_INTERPRET=1 must be set before triton loads)."""
+def kernel_rows(spec, dtype, dev):
+    """Yields, per GEMM of ``spec``: torch (cuBLAS), the fused kernel with checks compiled out, checked,
+    and checked with the weight's pre-pass kept (forward and grad_input), in ms (``do_bench``
+    medians on a GPU, inputs rotated beyond L2), the alarms of a clean call and the largest error
+    against float64 over torch's."""
     import itertools
-    import os
-    cuda = torch.cuda.is_available()
-    if not cuda and not args.smoke:
-        raise SystemExit("abft bench --device cuda: no CUDA device here (--smoke runs the path "
-                         "on the CPU through the Triton interpreter)")
-    if args.smoke and not cuda:
-        os.environ.setdefault("TRITON_INTERPRET", "1")
     from abft.kernels import layout as L
     from abft.kernels import prepass
     from abft.kernels import triton_gemm as TG
     checked_gemm = TG.checked_gemm
-    dev = "cuda" if cuda else "cpu"
-    dtype = getattr(torch, "bfloat16" if args.dtype == "float32" and not args.smoke else args.dtype)
-    if args.smoke:
-        spec = SMOKE_SHAPES
-    else:
-        spec = args.shapes if args.shapes != DEFAULT_SHAPES else GPU_SHAPES
+    cuda = dev == "cuda"
     l2 = torch.cuda.get_device_properties(0).L2_cache_size if cuda else 1 << 20
     if cuda:
         import triton.testing
         timer = triton.testing.do_bench
     else:
         timer = lambda f: interleaved(f, f, 1)["plain_ms"]
-    name = torch.cuda.get_device_name(0) if cuda else "cpu (interpreter)"
-    print(f"{name}, {str(dtype).replace('torch.', '')}, L2 {l2 >> 20} MiB; ms are medians; "
-          f"inputs rotated beyond L2")
-    print("| shape | GEMM | torch ms | unchecked ms | checked ms | checked, weight kept ms | "
-          "checked / unchecked | unchecked / torch | checked / torch | checked TFLOP/s | "
-          "max err / torch's | alarms |")
-    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     g = torch.Generator().manual_seed(0)
     for kind, m0, k0, n0 in parse_shapes(spec):
         for gemm, m, k, n, make in gemms(kind, m0, k0, n0):
@@ -254,21 +245,66 @@ def kernel_bench(args):
                 kept = {id(y): prepass.prepare(y.mT, *TG.Layout(x[None], y[None], dtype, False)
                                                .b_key(TG.tiles_for(m, n, k, dtype)[1]))
                         for x, y in sets}
-                fns["checked, weight kept"] = lambda x, y: checked_gemm(x, y, b_stats=kept[id(y)])
+                fns["kept"] = lambda x, y: checked_gemm(x, y, b_stats=kept[id(y)])
             t = {}
             for label, fn in fns.items():
                 it = itertools.cycle(sets)
                 t[label] = timer(lambda: fn(*next(it)))
-            t.setdefault("checked, weight kept", float("nan"))
+            t.setdefault("kept", float("nan"))
             del sets
-            tflops = 2 * m * k * n / (t["checked"] * 1e-3) / 1e12
-            label = f"{kind} {m0}x{k0}x{n0}" if kind == "linear" else f"{m}x{k}x{n}"
-            print(f"| {label} | {gemm} {m}x{k}x{n} | {t['torch']:.3f} | {t['unchecked']:.3f} | "
-                  f"{t['checked']:.3f} | {t['checked, weight kept']:.3f} | "
-                  f"{t['checked'] / t['unchecked']:.3f} | "
-                  f"{t['unchecked'] / t['torch']:.3f} | {t['checked'] / t['torch']:.3f} | "
-                  f"{tflops:.1f} | {err:.2f} | {alarms} |", flush=True)
+            yield (dict(label=f"{kind} {m0}x{k0}x{n0}" if kind == "linear" else f"{m}x{k}x{n}",
+                             gemm=gemm, m=m, k=k, n=n, torch_ms=t["torch"],
+                             unchecked_ms=t["unchecked"], checked_ms=t["checked"],
+                             kept_ms=t["kept"], err_over_torch=err, alarms=alarms))
+
+
+def kernel_bench(args):
+    """The fused kernel on CUDA: checked, checks compiled out, torch.matmul (cuBLAS), plus a
+    correctness pass against float64. ``--smoke``: tiny shapes; without a GPU it runs on the
+    CPU through the Triton interpreter (TRITON_INTERPRET=1 must be set before triton loads)."""
+    import os
+    cuda = torch.cuda.is_available()
+    if not cuda and not args.smoke:
+        raise SystemExit("abft bench --device cuda: no CUDA device here (--smoke runs the path "
+                         "on the CPU through the Triton interpreter)")
+    if args.smoke and not cuda:
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    dev = "cuda" if cuda else "cpu"
+    dtype = getattr(torch, "bfloat16" if args.dtype == "float32" and not args.smoke else args.dtype)
+    if args.smoke:
+        spec = SMOKE_SHAPES
+    else:
+        spec = args.shapes if args.shapes != DEFAULT_SHAPES else GPU_SHAPES
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size if cuda else 1 << 20
+    name = torch.cuda.get_device_name(0) if cuda else "cpu (interpreter)"
+    print(f"{name}, {str(dtype).replace('torch.', '')}, L2 {l2 >> 20} MiB; ms are medians; "
+          f"inputs rotated beyond L2")
+    print("| shape | GEMM | torch ms | unchecked ms | checked ms | checked, weight kept ms | "
+          "checked / unchecked | unchecked / torch | checked / torch | checked TFLOP/s | "
+          "max err / torch's | alarms |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for r in kernel_rows(spec, dtype, dev):
+        tflops = 2 * r["m"] * r["k"] * r["n"] / (r["checked_ms"] * 1e-3) / 1e12
+        print(f"| {r['label']} | {r['gemm']} {r['m']}x{r['k']}x{r['n']} | {r['torch_ms']:.3f} | "
+              f"{r['unchecked_ms']:.3f} | {r['checked_ms']:.3f} | {r['kept_ms']:.3f} | "
+              f"{r['checked_ms'] / r['unchecked_ms']:.3f} | "
+              f"{r['unchecked_ms'] / r['torch_ms']:.3f} | {r['checked_ms'] / r['torch_ms']:.3f} | "
+              f"{tflops:.1f} | {r['err_over_torch']:.2f} | {r['alarms']} |", flush=True)
     return 0
+
+
+def writable(out):
+    """None if ``out`` can be made and written, else why not."""
+    import os
+    try:
+        os.makedirs(out, exist_ok=True)
+        probe = os.path.join(out, ".write-test")
+        with open(probe, "w"):
+            pass
+        os.remove(probe)
+    except OSError as e:
+        return e.strerror or str(e)
+    return None
 
 
 def static_bench(args):
@@ -280,14 +316,9 @@ def static_bench(args):
         print(f"abft bench: --arch must be one of {', '.join(str(a) for a in static.ARCHS)}, "
               f"got {args.arch!r}", file=sys.stderr)
         return 2
-    try:
-        os.makedirs(args.out, exist_ok=True)
-        probe = os.path.join(args.out, ".write-test")
-        with open(probe, "w"):
-            pass
-        os.remove(probe)
-    except OSError as e:
-        print(f"abft bench: --out {args.out!r} is not writable ({e.strerror or e})", file=sys.stderr)
+    why = writable(args.out)
+    if why:
+        print(f"abft bench: --out {args.out!r} is not writable ({why})", file=sys.stderr)
         return 2
     if os.environ.get("TRITON_INTERPRET", "") not in ("", "0"):
         # an interpreted kernel cannot be compiled: run once more without the interpreter
@@ -300,6 +331,9 @@ def static_bench(args):
 
 
 def main(args):
+    """``abft bench`` but ``--validate`` (``validate.main``)."""
+    if args.out is None:
+        args.out = "runs/static"
     if args.static:
         return static_bench(args)
     if args.device.startswith("cuda"):

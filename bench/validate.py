@@ -1,0 +1,319 @@
+"""``abft bench --validate``: the fused kernel checked on a GPU in one command, one JSON and one
+markdown table.
+
+    abft bench --validate --device cuda --out DIR      # a Hopper GPU: minutes
+    abft bench --validate --smoke --out DIR            # tiny shapes; the interpreter without a GPU
+
+Sections, each timed and written to DIR/validate.json as soon as it ends (a section that fails
+records its error and the rest still run; ``--budget`` seconds bound the whole run, and a section
+that would start past it is recorded as skipped):
+
+- ``accumulation``: what the tensor cores' fp32 accumulation does (``bench/accumulation.py``),
+  against the threshold's assumption of one directed rounding per 8 products;
+- ``bitflips``: the bf16 per-bit table (``bench/bitflips.py``): every flip above bf16's output
+  rounding must be caught;
+- ``stress``: the stress set (``bench/stress.py``) through the kernel, every dtype (fp32 with and
+  without tf32), the backward's operand layouts: zero false alarms, values within twice torch's
+  error;
+- ``timings``: checked / unchecked / torch (cuBLAS) per GEMM of a linear layer at 16384 tokens x
+  4096 -> 4096 and -> 14336, and a whole protected ``nn.Linear`` (forward and backward) against a
+  plain one.
+"""
+import json
+import os
+import platform
+import time
+import traceback
+
+import torch
+
+SHAPES = "linear:16384x4096x4096,linear:16384x4096x14336"
+SMOKE_SHAPES = "linear:40x24x48"
+STRESS_K = (1, 7, 64, 1000, 4096, 16384)
+SMOKE_K = (7, 64)
+
+
+def _dt(d):
+    return str(d).replace("torch.", "")
+
+
+def env(dev):
+    import triton
+    out = dict(date=time.strftime("%Y-%m-%d %H:%M:%S %Z"), torch=torch.__version__,
+               triton=triton.__version__, python=platform.python_version(), device=dev)
+    if dev == "cuda":
+        p = torch.cuda.get_device_properties(0)
+        out.update(card=p.name, capability=f"{p.major}.{p.minor}", sms=p.multi_processor_count,
+                   memory_gib=round(p.total_memory / 2 ** 30, 1),
+                   l2_mib=round(getattr(p, "L2_cache_size", 0) / 2 ** 20, 1),
+                   cuda=torch.version.cuda)
+    return out
+
+
+def accumulation(dev, smoke):
+    from abft.bench import accumulation as A
+    out = []
+    for dt in (torch.bfloat16, torch.float16, torch.float32):
+        r = A.measure(dt, k=16 if smoke else 64, device=dev)
+        out.append(r)
+    return out
+
+
+def bitflips(dev, smoke):
+    from abft.bench import bitflips as B
+    rows = B.run(m=32, k=256 if smoke else 4096, n=32, trials=2 if smoke else 10,
+                 bits=(3, 22, 30) if smoke else range(32), device=dev)
+    missed = sum(r["above_rounding"] - r["above_detected"] for r in rows)
+    return dict(rows=rows, above_rounding=sum(r["above_rounding"] for r in rows),
+                above_missed=missed)
+
+
+def _stress_cases(smoke):
+    """(dist, k, dtype, tf32, layout): every distribution, K and dtype in A @ B with both row
+    major; the backward's layouts (A^T: grad_weight's dY^T, B^T: the forward's W^T) on three."""
+    from abft.bench.stress import DISTRIBUTIONS
+    ks = SMOKE_K if smoke else STRESS_K
+    dists = DISTRIBUTIONS[:2] if smoke else DISTRIBUTIONS
+    dtypes = ((torch.bfloat16, False), (torch.float16, False), (torch.float32, True),
+              (torch.float32, False))
+    # K and dtype outermost: each compiles the kernel once, then every distribution reuses it
+    for k in ks:
+        for dt, tf in dtypes:
+            for dist in dists:
+                yield dist, k, dt, tf, "nn"
+    for dist in dists[:1] if smoke else ("gaussian", "llm_outliers", "massive_activations"):
+        for k in ks[-2:]:
+            for dt, tf in dtypes:
+                for lay in ("nt", "tn"):
+                    yield dist, k, dt, tf, lay
+
+
+def stress(dev, smoke, deadline):
+    """Zero false alarms: every tile OK (verified, ratio <= 1), values within twice torch's
+    error (plus an ulp of the largest)."""
+    import triton
+    from abft.bench.stress import operands
+    from abft.kernels import layout as L
+    from abft.kernels import triton_gemm as TG
+    m = n = 32 if smoke else 256
+    rows, alarms, not_ok, skipped = [], 0, 0, 0
+    for dist, k, dt, tf, lay in _stress_cases(smoke):
+        if time.time() > deadline:
+            skipped += 1
+            continue
+        a, b = operands(dist, m, k, n, dt, 0)
+        if lay == "tn":
+            a = a.t().contiguous().t()
+        if lay == "nt":
+            b = b.t().contiguous().t()
+        a, b = a.to(dev), b.to(dev)
+        cfg = None if smoke else triton.Config({"BLOCK_K": 32 if dt == torch.float32 else 64},
+                                              num_warps=8, num_stages=3)
+        c, v, _ = TG.checked_gemm(a, b, tf32=tf if dt == torch.float32 else None, config=cfg)
+        worst = max(v[..., L.ROW_RATIO].max().item(), v[..., L.COL_RATIO].max().item())
+        n_alarm = int(L.alarmed(v).sum())
+        n_bad = int((v[..., L.STATUS] != L.OK).sum())
+        ref = a.double() @ b.double()
+        if dt == torch.float32:
+            prev = torch.backends.cuda.matmul.allow_tf32
+            torch.backends.cuda.matmul.allow_tf32 = tf
+            theirs = (torch.matmul(a, b).double() - ref).abs().max().item()
+            torch.backends.cuda.matmul.allow_tf32 = prev
+        else:
+            theirs = (torch.matmul(a, b).double() - ref).abs().max().item()
+        mine = (c.double() - ref).abs().max().item()
+        ulp = torch.finfo(dt).eps * ref.abs().max().item()
+        alarms += n_alarm
+        not_ok += n_bad
+        rows.append(dict(dist=dist, k=k, dtype=_dt(dt) + ("/tf32" if tf else ""), layout=lay,
+                         worst_ratio=worst, alarmed_tiles=n_alarm, not_ok_tiles=n_bad,
+                         err=mine, torch_err=theirs, values_ok=mine <= 2 * theirs + ulp))
+    return dict(cases=len(rows), skipped=skipped, alarmed_tiles=alarms, not_ok_tiles=not_ok,
+                worst_ratio=max((r["worst_ratio"] for r in rows), default=None),
+                values_off=sum(not r["values_ok"] for r in rows), rows=rows)
+
+
+def _layer(dev, dtype, t, i, o, timer, g):
+    """A whole nn.Linear step (forward and backward), plain against protected; the verdicts
+    flushed every call (a training step flushes once)."""
+    import copy
+    import abft
+    plain = torch.nn.Linear(i, o, bias=False).to(device=dev, dtype=dtype)
+    prot = copy.deepcopy(plain)
+    abft.protect(prot)
+    x = torch.randn(t, i, generator=g).to(device=dev, dtype=dtype).requires_grad_(True)
+    gy = torch.randn(t, o, generator=g).to(device=dev, dtype=dtype)
+
+    def step(layer, flush):
+        def run():
+            x.grad = None
+            layer.weight.grad = None
+            layer(x).backward(gy)
+            if flush:
+                abft.flush()
+        return run
+    out = dict(plain_ms=timer(step(plain, False)), checked_ms=timer(step(prot, True)))
+    out["ratio"] = out["checked_ms"] / out["plain_ms"]
+    out["alarms"] = len(abft.alarms())
+    return out
+
+
+def timings(dev, smoke, dtype, progress):
+    """``progress(result)`` is called after every row, so a run cut short keeps what it timed."""
+    from abft.bench import overhead
+    spec = SMOKE_SHAPES if smoke else SHAPES
+    rows, layers = [], []
+    result = dict(gemms=rows, layers=layers)
+    for row in overhead.kernel_rows(spec, dtype, dev):
+        rows.append(row)
+        progress(result)
+    g = torch.Generator().manual_seed(1)
+    if dev == "cuda":
+        import triton.testing
+        timer = triton.testing.do_bench
+    else:
+        timer = lambda f: overhead.interleaved(f, f, 1)["plain_ms"]
+    for kind, t, i, o in overhead.parse_shapes(spec):
+        r = _layer(dev, dtype, t, i, o, timer, g)
+        r.update(shape=f"{t}x{i}->{o}")
+        layers.append(r)
+        progress(result)
+    from abft.kernels import triton_gemm as TG
+    result["autotuned"] = {str(key): {str(k): str(c) for k, c in getattr(tuner, "cache", {}).items()}
+                           for key, tuner in getattr(TG, "_tuned", {}).items()}
+    return result
+
+
+SECTIONS = ("accumulation", "bitflips", "stress", "timings")
+
+
+def run(out, smoke=False, budget=450.0, only=None):
+    """Run the sections into ``out`` (validate.json, validate.md); returns the report."""
+    cuda = torch.cuda.is_available()
+    dev = "cuda" if cuda else "cpu"
+    t0 = time.time()
+    deadline = t0 + budget
+    report = dict(env=env(dev), smoke=smoke, budget_s=budget, sections={})
+    share = dict(stress=0.45)           # of the budget left when the section starts
+    for name in SECTIONS:
+        if only and name not in only:
+            continue
+        sec = report["sections"][name] = {}
+        if time.time() > deadline:
+            sec.update(status="skipped", why="past the budget")
+            continue
+        s0 = time.time()
+        print(f"validate: {name} ...", flush=True)
+        try:
+            if name == "accumulation":
+                sec["result"] = accumulation(dev, smoke)
+            elif name == "bitflips":
+                sec["result"] = bitflips(dev, smoke)
+            elif name == "stress":
+                sec["result"] = stress(dev, smoke, s0 + share["stress"] * (deadline - s0))
+            else:
+                def progress(result):
+                    sec.update(result=result, status="running")
+                    _write(out, report)
+                sec["result"] = timings(dev, smoke, torch.bfloat16 if cuda else torch.float32,
+                                        progress)
+            sec["status"] = "ok"
+        except Exception as e:          # recorded; the other sections still run
+            sec.update(status="error", error=f"{type(e).__name__}: {e}",
+                       traceback=traceback.format_exc()[-4000:])
+            print(sec["traceback"], flush=True)
+        sec["seconds"] = round(time.time() - s0, 1)
+        print(f"validate: {name} {sec['status']} in {sec['seconds']} s", flush=True)
+        _write(out, report)
+    report["seconds"] = round(time.time() - t0, 1)
+    _write(out, report)
+    return report
+
+
+def _write(out, report):
+    with open(os.path.join(out, "validate.json.tmp"), "w") as f:
+        json.dump(report, f, indent=1, default=str)
+    os.replace(os.path.join(out, "validate.json.tmp"), os.path.join(out, "validate.json"))
+    with open(os.path.join(out, "validate.md.tmp"), "w") as f:
+        f.write(markdown(report))
+    os.replace(os.path.join(out, "validate.md.tmp"), os.path.join(out, "validate.md"))
+
+
+def markdown(report):
+    e = report["env"]
+    lines = [f"# abft bench --validate ({e.get('card', e['device'])}, {e['date']}, torch "
+             f"{e['torch']}, triton {e['triton']}{', smoke' if report['smoke'] else ''})", ""]
+    secs = report["sections"]
+    lines += ["| section | status | seconds | result |", "|---|---|---|---|"]
+    for name, sec in secs.items():
+        r = sec.get("result")
+        what = sec.get("error") or sec.get("why") or ""
+        if r is not None and name == "accumulation":
+            what = "; ".join(
+                f"{x['dtype']}: " + (", ".join(f"g={f['group']} F={f['extra_bits']} {f['rounding']}"
+                                               for f in x["consistent"][:4]) or "no model fits; "
+                                     f"nearest g={x['nearest'][0]['group']} "
+                                     f"F={x['nearest'][0]['extra_bits']} "
+                                     f"{x['nearest'][0]['rounding']} "
+                                     f"({x['nearest'][0]['mismatches']} of {x['rows']} rows off)")
+                for x in r)
+        elif r is not None and name == "bitflips":
+            what = (f"{r['above_rounding'] - r['above_missed']} of {r['above_rounding']} flips "
+                    f"above bf16 rounding caught")
+        elif r is not None and name == "stress":
+            what = (f"{r['cases']} cases ({r['skipped']} skipped): {r['alarmed_tiles']} alarmed "
+                    f"tiles, {r['not_ok_tiles']} not OK, worst ratio {r['worst_ratio']}, "
+                    f"{r['values_off']} with values off")
+        elif r is not None and name == "timings":
+            what = f"{len(r['gemms'])} GEMMs, {len(r['layers'])} layers (below)"
+        lines.append(f"| {name} | {sec['status']} | {sec.get('seconds', '')} | {what} |")
+    t = secs.get("timings", {}).get("result")
+    if t:
+        lines += ["", "| GEMM | M x K x N | torch ms | unchecked ms | checked ms | checked, weight "
+                  "kept ms | checked / unchecked | unchecked / torch | checked / torch | alarms |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
+        for g in t["gemms"]:
+            lines.append(f"| {g['label']} {g['gemm']} | {g['m']}x{g['k']}x{g['n']} | "
+                         f"{g['torch_ms']:.3f} | {g['unchecked_ms']:.3f} | {g['checked_ms']:.3f} | "
+                         f"{g['kept_ms']:.3f} | {g['checked_ms'] / g['unchecked_ms']:.3f} | "
+                         f"{g['unchecked_ms'] / g['torch_ms']:.3f} | "
+                         f"{g['checked_ms'] / g['torch_ms']:.3f} | {g['alarms']} |")
+        lines += ["", "| layer (forward + backward) | plain ms | protected ms | ratio | alarms |",
+                  "|---|---|---|---|---|"]
+        for r in t["layers"]:
+            lines.append(f"| {r['shape']} | {r['plain_ms']:.3f} | {r['checked_ms']:.3f} | "
+                         f"{r['ratio']:.3f} | {r['alarms']} |")
+    return "\n".join(lines) + "\n"
+
+
+def main(args):
+    """``--validate``: bad input gets one line naming it and exit 2, before anything runs."""
+    import sys
+    from abft.bench import overhead
+    if args.out is None:
+        args.out = "runs/validate"
+    cuda = torch.cuda.is_available()
+    if not args.smoke and not cuda:
+        print("abft bench: --validate needs a CUDA device (none here); --smoke runs it on tiny "
+              "shapes under the Triton interpreter", file=sys.stderr)
+        return 2
+    if args.budget <= 0:
+        print(f"abft bench: --budget must be positive seconds, got {args.budget}", file=sys.stderr)
+        return 2
+    why = overhead.writable(args.out)
+    if why:
+        print(f"abft bench: --out {args.out!r} is not writable ({why})", file=sys.stderr)
+        return 2
+    if not cuda and os.environ.get("TRITON_INTERPRET", "") in ("", "0") \
+            and "triton" in sys.modules:
+        # triton read the variable when it loaded: run once more under the interpreter
+        import subprocess
+        env = dict(os.environ, TRITON_INTERPRET="1")
+        return subprocess.run([sys.executable, "-m", "abft.cli", "bench", "--validate", "--smoke",
+                               "--out", args.out, "--budget", str(args.budget)],
+                              env=env).returncode
+    os.environ.setdefault("TRITON_INTERPRET", "0" if cuda else "1")
+    report = run(args.out, smoke=args.smoke, budget=args.budget)
+    print(markdown(report))
+    bad = [n for n, s in report["sections"].items() if s["status"] == "error"]
+    return 1 if bad else 0
