@@ -97,17 +97,22 @@ class AlarmLog:
         self.set_path(path)
 
     def set_path(self, path):
+        """Write alarms to ``path`` (``{rank}`` filled in) from now on; None: to no file. A path
+        that cannot be opened raises ValueError and leaves the sink as it was."""
+        new, resolved = None, path
+        if path:
+            from abft.context import current_rank
+            try:
+                resolved = str(path).format(rank=current_rank())
+                os.makedirs(os.path.dirname(os.path.abspath(resolved)), exist_ok=True)
+                new = open(resolved, "a", encoding="utf-8")
+            except (OSError, KeyError, IndexError, ValueError) as e:
+                raise ValueError(f"abft.config: log_path {path!r} cannot be opened for writing "
+                                 f"({type(e).__name__}: {e})") from None
         with self._lock:
             if self._file is not None:
                 self._file.close()
-                self._file = None
-            self.path = path
-            if path:
-                from abft.context import current_rank
-                resolved = str(path).format(rank=current_rank())
-                os.makedirs(os.path.dirname(os.path.abspath(resolved)), exist_ok=True)
-                self._file = open(resolved, "a", encoding="utf-8")
-                self.path = resolved
+            self._file, self.path = new, resolved
 
     def append(self, alarm):
         with self._lock:

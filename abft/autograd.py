@@ -14,7 +14,9 @@ import torch
 from torch import Tensor
 from torch.library import custom_op
 
-from abft import carry, decompose, dtensor, ops, weightcache
+import torch.autograd.forward_ad as fwAD
+
+from abft import carry, coverage, decompose, dtensor, ops, weightcache
 from abft.decompose import rows2d
 from abft.kernels.reference import weight_stats
 
@@ -34,6 +36,29 @@ def grad_product(a: Tensor, b: Tensor, kind: str, op: str, phase: str, module: s
 @grad_product.register_fake
 def _(a, b, kind, op, phase, module):
     return {"mm": torch.mm, "bmm": torch.bmm, "matmul": torch.matmul}[kind](a, b)
+
+
+def _gp_setup(ctx, inputs, output):
+    a, b, kind, op, phase, module = inputs
+    ctx.save_for_backward(a, b)
+    ctx.kind, ctx.op, ctx.module = kind, op, module
+
+
+def _gp_backward(ctx, grad):
+    """The gradient of a backward product (double backward: ``create_graph=True``, gradient
+    penalties), itself checked, labelled ``double_backward``."""
+    a, b = ctx.saved_tensors
+    na, nb = ctx.needs_input_grad[:2]
+    ph, m = "double_backward", ctx.module
+    if ctx.kind == "matmul":
+        ga, gb = matmul_grads(a, b, grad, (na, nb), (na, nb), m, ctx.op, phases=(ph, ph))
+    else:
+        ga = _g(ctx.kind, grad, b.mT, ctx.op, ph, m) if na else None
+        gb = _g(ctx.kind, a.mT, grad, ctx.op, ph, m) if nb else None
+    return ga, gb, None, None, None, None
+
+
+grad_product.register_autograd(_gp_backward, setup_context=_gp_setup)
 
 
 def _g(kind, a, b, op, phase, module):
@@ -75,6 +100,24 @@ def grad_input_kept(grad: Tensor, w: Tensor, module: str, wkey: int) -> Tensor:
 @grad_input_kept.register_fake
 def _(grad, w, module, wkey):
     return torch.matmul(grad, w)
+
+
+def _gik_setup(ctx, inputs, output):
+    grad, w, module, wkey = inputs
+    ctx.save_for_backward(grad, w)
+    ctx.module = module
+
+
+def _gik_backward(ctx, gg):
+    """Double backward through a protected linear's grad_input (grad @ w)."""
+    grad, w = ctx.saved_tensors
+    ph = ("double_backward", "double_backward")
+    ga, gb = matmul_grads(grad, w, gg, ctx.needs_input_grad[:2], ctx.needs_input_grad[:2],
+                          ctx.module, "linear", phases=ph)
+    return ga, gb, None, None
+
+
+grad_input_kept.register_autograd(_gik_backward, setup_context=_gik_setup)
 
 
 @custom_op("abft::linear", mutates_args=())
@@ -193,30 +236,32 @@ def _mm_mat2_backward(grad, mat1, mat2, op, phase, m):
     return _g("mm", mat1.t(), grad, op, phase, m)
 
 
-def matmul_grads(a, b, grad, flags, needs, m, op="matmul"):
-    """Gradients of torch.matmul(a, b) by torch's decomposition and derivative formulas."""
+def matmul_grads(a, b, grad, flags, needs, m, op="matmul", phases=("grad_a", "grad_b")):
+    """Gradients of torch.matmul(a, b) by torch's decomposition and derivative formulas; the
+    products labelled ``phases`` (of a's gradient, of b's)."""
+    pa_, pb_ = phases
     plan = decompose.Plan(a, b, *flags)
     na, nb = needs
     ga = gb = None
     k = plan.kind
     if k == "bmm" and plan.squeeze:
         if plan.squeeze == "a":
-            ga, gb = matmul_grads(a.squeeze(0), b, grad, flags, needs, m, op)
+            ga, gb = matmul_grads(a.squeeze(0), b, grad, flags, needs, m, op, phases)
             return (ga.unsqueeze(0) if ga is not None else None), gb
-        ga, gb = matmul_grads(a, b.squeeze(0), grad, flags, needs, m, op)
+        ga, gb = matmul_grads(a, b.squeeze(0), grad, flags, needs, m, op, phases)
         return ga, (gb.unsqueeze(0) if gb is not None else None)
     if k == "dot":
         return (grad * b if na else None), (grad * a if nb else None)
     if k == "mv":
         return (torch.outer(grad, b) if na else None), \
-            (_g("matmul", a.t(), grad, op, "grad_b", m) if nb else None)
+            (_g("matmul", a.t(), grad, op, pb_, m) if nb else None)
     if k == "mm1":
         mat1, g2 = a.unsqueeze(0), grad.unsqueeze(0)
-        return (_mm_mat1_backward(g2, b, mat1, op, "grad_a", m).squeeze(0) if na else None), \
-            (_mm_mat2_backward(g2, mat1, b, op, "grad_b", m) if nb else None)
+        return (_mm_mat1_backward(g2, b, mat1, op, pa_, m).squeeze(0) if na else None), \
+            (_mm_mat2_backward(g2, mat1, b, op, pb_, m) if nb else None)
     if k == "mm":
-        return (_mm_mat1_backward(grad, b, a, op, "grad_a", m) if na else None), \
-            (_mm_mat2_backward(grad, a, b, op, "grad_b", m) if nb else None)
+        return (_mm_mat1_backward(grad, b, a, op, pa_, m) if na else None), \
+            (_mm_mat2_backward(grad, a, b, op, pb_, m) if nb else None)
     if k == "fold":
         t1f, t2, shape = decompose.fold_operands(plan, a, b)
         if t2.dim() == 2:       # the output was transposed back only when t2 is a matrix
@@ -226,7 +271,7 @@ def matmul_grads(a, b, grad, flags, needs, m, op="matmul"):
             go = grad.reshape(-1)
         # the operand names: t1 is b^T when transposed, else a
         n1, n2 = (nb, na) if plan.transpose else (na, nb)
-        p1, p2 = ("grad_b", "grad_a") if plan.transpose else ("grad_a", "grad_b")
+        p1, p2 = (pb_, pa_) if plan.transpose else (pa_, pb_)
         if t2.dim() == 2:
             g1 = _mm_mat1_backward(go, t2, t1f, op, p1, m) if n1 else None
             g2 = _mm_mat2_backward(go, t1f, t2, op, p2, m) if n2 else None
@@ -244,11 +289,11 @@ def matmul_grads(a, b, grad, flags, needs, m, op="matmul"):
     go = grad.reshape(ae.shape[0], ae.shape[1], be.shape[2])
     if na:
         n = a.shape[-2] if a.dim() > 1 else 1
-        ga = _g("bmm", go, be.transpose(1, 2), op, "grad_a", m).reshape(*batch, n, a.shape[-1])
+        ga = _g("bmm", go, be.transpose(1, 2), op, pa_, m).reshape(*batch, n, a.shape[-1])
         ga = ga.sum_to_size(a.shape if a.dim() > 1 else (1, a.shape[0]))
         ga = ga.view(a.shape)
     if nb:
-        gbe = _g("bmm", ae.transpose(1, 2), go, op, "grad_b", m)
+        gbe = _g("bmm", ae.transpose(1, 2), go, op, pb_, m)
         if b.dim() == 1:
             gb = gbe.squeeze(2).reshape(*batch, b.shape[0]).sum_to_size(b.shape)
         else:
@@ -345,6 +390,29 @@ def _autocast(device_type, *ts):
                  else t for t in ts), True
 
 
+def _transformed(*ts):
+    """Operands that abft's custom ops cannot serve: inside a ``torch.func`` transform (jvp,
+    vmap, grad, jacfwd) or carrying a forward-mode tangent (``torch.autograd.forward_ad``). The ops
+    have no forward-mode or batching rules, and autograd would drop the tangent silently.
+    (Not asked while torch.compile traces: dynamo cannot trace the question.)"""
+    if torch.compiler.is_compiling():
+        return False
+    for t in ts:
+        if t is None:
+            continue
+        if torch._C._functorch.is_functorch_wrapped_tensor(t):
+            return True
+        if fwAD._current_level >= 0 and fwAD.unpack_dual(t).tangent is not None:
+            return True
+    return False
+
+
+def _plain(op, module, fn, *args, **kwargs):
+    """torch's own product, counted as unprotected (``abft.coverage()``)."""
+    coverage.unprotected(op, module or None)
+    return fn(*args, **kwargs)
+
+
 def _call(fn, device_type, tensors, *rest):
     dtensor.ensure()
     tensors, cast = _autocast(device_type, *tensors)
@@ -373,6 +441,8 @@ def matmul(a, b, *, module=None):
     """
     if not ops.enabled():
         return torch.matmul(a, b)
+    if _transformed(a, b):
+        return _plain("matmul", module, torch.matmul, a, b)
     return _call(torch.ops.abft.matmul, a.device.type, (a, b), a.requires_grad, b.requires_grad,
                  module or "")
 
@@ -381,6 +451,8 @@ def mm(a, b, *, module=None):
     """Checked ``torch.mm`` (M, K) @ (K, N), with checked backward."""
     if not ops.enabled():
         return torch.mm(a, b)
+    if _transformed(a, b):
+        return _plain("mm", module, torch.mm, a, b)
     return _call(torch.ops.abft.mm, a.device.type, (a, b), module or "")
 
 
@@ -388,6 +460,8 @@ def bmm(a, b, *, module=None):
     """Checked ``torch.bmm`` (B, M, K) @ (B, K, N), with checked backward."""
     if not ops.enabled():
         return torch.bmm(a, b)
+    if _transformed(a, b):
+        return _plain("bmm", module, torch.bmm, a, b)
     return _call(torch.ops.abft.bmm, a.device.type, (a, b), module or "")
 
 
@@ -395,6 +469,8 @@ def addmm(input, mat1, mat2, *, beta=1, alpha=1, module=None):
     """Checked ``torch.addmm``: beta * input + alpha * (mat1 @ mat2), with checked backward."""
     if not ops.enabled():
         return torch.addmm(input, mat1, mat2, beta=beta, alpha=alpha)
+    if _transformed(input, mat1, mat2):
+        return _plain("addmm", module, torch.addmm, input, mat1, mat2, beta=beta, alpha=alpha)
     return _call(torch.ops.abft.addmm, mat1.device.type, (input, mat1, mat2), float(beta),
                  float(alpha), module or "")
 
@@ -403,6 +479,9 @@ def baddbmm(input, batch1, batch2, *, beta=1, alpha=1, module=None):
     """Checked ``torch.baddbmm``: beta * input + alpha * (batch1 @ batch2), with checked backward."""
     if not ops.enabled():
         return torch.baddbmm(input, batch1, batch2, beta=beta, alpha=alpha)
+    if _transformed(input, batch1, batch2):
+        return _plain("baddbmm", module, torch.baddbmm, input, batch1, batch2, beta=beta,
+                      alpha=alpha)
     return _call(torch.ops.abft.baddbmm, batch1.device.type, (input, batch1, batch2), float(beta),
                  float(alpha), module or "")
 
@@ -418,5 +497,7 @@ def linear(input, weight, bias=None, *, module=None, cache=False):
     """
     if not ops.enabled():
         return torch.nn.functional.linear(input, weight, bias)
+    if _transformed(input, weight, bias):
+        return _plain("linear", module, torch.nn.functional.linear, input, weight, bias)
     wkey = weightcache.key(weight) if cache else 0
     return _call(torch.ops.abft.linear, input.device.type, (input, weight, bias), module or "", wkey)

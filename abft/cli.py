@@ -7,6 +7,12 @@ from abft._version import __version__
 
 
 def _demo(args):
+    if args.size < 1:
+        print(f"abft demo: --size must be a whole number >= 1, got {args.size}", file=sys.stderr)
+        return 2
+    if not 0 <= args.bit < 32:
+        print(f"abft demo: --bit must be a bit of a float32, 0..31, got {args.bit}", file=sys.stderr)
+        return 2
     import torch
     import abft
 
@@ -61,6 +67,14 @@ def _eval(args):
     except (ValueError, OSError, campaign.Busy) as e:
         print(f"abft eval: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # finished trials are on disk; leave at once: tearing down a trial's autograd and gloo
+        # threads from here can abort the interpreter (INTERNAL ASSERT ... THPVariable_clear)
+        print(f"\nabft eval: interrupted; `abft eval --resume --out {args.out}` goes on from the "
+              f"trials done", file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)
     if os.environ.get("RANK", "0") != "0":
         return 0
     s = report.build(args.out)

@@ -11,9 +11,13 @@ runs a product so that its alarms carry ``labels["shard"]``: this rank's mesh co
 output shard's offset in the global tensor, and whether the local product is a partial sum.
 
 Registration costs an import of ``torch.distributed.tensor`` (about 2 s), so it happens on the
-first checked call made while that module is loaded: before it, no DTensor can exist.
+first checked call made while that module is loaded: before it, no DTensor can exist. Never
+while torch.compile traces (dynamo cannot trace the registration, and it would register on its
+first call): ``protect`` and ``checked`` register eagerly, before a compiled model's first call.
 """
 import sys
+
+import torch
 
 from abft import context
 
@@ -24,7 +28,8 @@ _NONE = object()
 def ensure():
     """Register the placements once DTensor is in use (cheap to call on every product)."""
     global _done
-    if not _done and "torch.distributed.tensor" in sys.modules:
+    if not _done and "torch.distributed.tensor" in sys.modules and \
+            not torch.compiler.is_compiling():
         _done = True
         _register()
 

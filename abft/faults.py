@@ -20,6 +20,7 @@ Choose the call by ``call_id`` and/or ``when(ctx)``, a predicate on a ``CallCont
 By default the fault does not repeat on a recompute of the same call (a transient fault);
 ``persistent=True`` makes it hit the recompute too.
 """
+import operator
 import threading
 from dataclasses import dataclass, field
 
@@ -59,6 +60,16 @@ class CallContext:
         return self.labels.get("module")
 
 
+def _index(x):
+    """Whether ``x`` is an int >= 0 (numpy's and torch's integers too; not a bool or a float)."""
+    if isinstance(x, bool):
+        return False
+    try:
+        return operator.index(x) >= 0
+    except TypeError:
+        return False
+
+
 @dataclass
 class Injection:
     call_id: int = None
@@ -85,9 +96,28 @@ class Injection:
             raise ValueError(f"abft.inject: kind must be one of {KINDS}, got {self.kind!r}")
         if self.kind in ("bitflip", "stuck") and self.bit is None:
             raise ValueError(f"abft.inject: kind={self.kind!r} needs bit=")
-        if isinstance(self.bit, (list, tuple)):
-            self.bit = tuple(int(b) for b in self.bit)
-        self.batch, self.size, self.stride = tuple(self.batch), tuple(self.size), int(self.stride)
+        if self.bit is not None:
+            bits = tuple(self.bit) if isinstance(self.bit, (list, tuple)) else (self.bit,)
+            if not bits or not all(_index(b) for b in bits):
+                raise ValueError(f"abft.inject: bit must be an int or a non-empty tuple of ints, "
+                                 f"got {self.bit!r}")
+            self.bit = bits if isinstance(self.bit, (list, tuple)) else int(self.bit)
+        for name in ("row", "col"):
+            if not _index(getattr(self, name)):
+                raise ValueError(f"abft.inject: {name} must be an int >= 0, got {getattr(self, name)!r}")
+        if not isinstance(self.size, (list, tuple)) or len(self.size) != 2 or \
+                not all(_index(x) and x >= 1 for x in self.size):
+            raise ValueError(f"abft.inject: size must be two ints >= 1, got {self.size!r}")
+        if not _index(self.stride) or self.stride < 1:
+            raise ValueError(f"abft.inject: stride must be an int >= 1, got {self.stride!r}")
+        if self.times is not None and (not _index(self.times) or self.times < 1):
+            raise ValueError(f"abft.inject: times must be None or an int >= 1, got {self.times!r}")
+        if self.call_id is not None and not _index(self.call_id):
+            raise ValueError(f"abft.inject: call_id must be None or an int >= 0, got {self.call_id!r}")
+        batch = self.batch if isinstance(self.batch, (list, tuple)) else (self.batch,)
+        if not all(_index(b) for b in batch):
+            raise ValueError(f"abft.inject: batch must be a tuple of ints >= 0, got {self.batch!r}")
+        self.batch, self.size, self.stride = tuple(batch), tuple(self.size), int(self.stride)
 
     def retarget(self, other):
         """Take ``other``'s target and corruption (pattern, kind, place, bits, value), keeping this

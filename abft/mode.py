@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from abft import attention, autograd, coverage, ops
+from abft import attention, autograd, coverage, dtensor, ops
 
 _local = threading.local()
 
@@ -146,6 +146,7 @@ class checked(TorchFunctionMode):
             if _stack():
                 _stack().pop()
 
+        dtensor.ensure()          # eagerly: a torch.compile inside the block must not register it
         pre = torch.nn.modules.module.register_module_forward_pre_hook(push)
         post = torch.nn.modules.module.register_module_forward_hook(pop, always_call=True)
         self._hooks = [pre, post]
@@ -161,7 +162,7 @@ class checked(TorchFunctionMode):
         kwargs = kwargs or {}
         mod = current_module()
         if func in _PRODUCTS:
-            return _PRODUCTS[func](mod, *args, **kwargs)
+            return _PRODUCTS[func](func, mod, args, kwargs)
         if func is torch.einsum:
             operands = args[1:] if len(args) > 2 else (args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:])
             if len(operands) == 2 and not kwargs:
@@ -176,23 +177,90 @@ class checked(TorchFunctionMode):
         return func(*args, **kwargs)
 
 
-def _ab(fn):
-    return lambda mod, a, b, **kw: fn(a, b, module=mod)
+def _checkable(*ts):
+    """Whether abft checks a product of these operands: dense float tensors (the dtypes the
+    reference computes) off the meta device. Anything else goes to torch unchanged."""
+    return all(isinstance(t, torch.Tensor) and t.dtype in ops.SUPPORTED and not t.is_meta
+               and t.layout == torch.strided for t in ts)
 
 
-def _addlike(fn):
-    def h(mod, input, m1, m2, *, beta=1, alpha=1, **kw):
-        return fn(input, m1, m2, beta=beta, alpha=alpha, module=mod)
-    return h
+def _to_out(func, args, kwargs, out, compute):
+    """``out=``: torch's own call where it would refuse or convert (inputs that need grad, another
+    dtype); else the checked result written into ``out``, resized as torch resizes it."""
+    ts = [t for t in args if isinstance(t, torch.Tensor)] + [v for v in kwargs.values()
+                                                               if isinstance(v, torch.Tensor)]
+    if (torch.is_grad_enabled() and any(t.requires_grad for t in ts)) or \
+            any(t.dtype != out.dtype for t in ts if t is not out):
+        return func(*args, **kwargs)
+    res = compute()
+    with torch.no_grad():
+        if out.shape != res.shape:
+            out.resize_(res.shape)
+        out.copy_(res)
+    return out
 
+
+def _product(name, compute, *operands_of):
+    """A handler with torch's signature: ``compute(mod, **bound)`` for a checkable product,
+    torch's own call otherwise (counted as unprotected); keywords bound by torch's names, so an
+    argument torch does not take raises torch's own error."""
+    def handle(func, mod, args, kwargs):
+        try:
+            bound = _SIGS[name].bind(*args, **kwargs).arguments
+        except TypeError:
+            return func(*args, **kwargs)               # torch's own error (or an overload we lack)
+        out = bound.pop("out", None)
+        ops_ = [bound[k] for k in operands_of]
+        if "input" in bound and name in ("addmm", "baddbmm"):
+            ops_.append(bound["input"])
+        if name == "linear" and bound.get("bias") is not None:
+            ops_.append(bound["bias"])
+        if not _checkable(*ops_) or (out is not None and not _checkable(out)):
+            coverage.unprotected(name, mod)
+            return func(*args, **kwargs)
+        run = lambda: compute(mod, **bound)
+        return run() if out is None else _to_out(func, args, kwargs, out, run)
+    return handle
+
+
+def _sig(text):
+    """An inspect.Signature from torch's documented signature, e.g. '(input, other, *, out=None)'."""
+    import inspect
+    ns = {}
+    exec(f"def f{text}: pass", ns)
+    return inspect.signature(ns["f"])
+
+
+# torch's signatures of the functions checked() intercepts (methods: self is the first operand)
+_SIGS = {
+    "matmul": _sig("(input, other, *, out=None)"),
+    "mm": _sig("(input, mat2, *, out=None)"),
+    "bmm": _sig("(input, mat2, *, out=None)"),
+    "addmm": _sig("(input, mat1, mat2, *, beta=1, alpha=1, out=None)"),
+    "baddbmm": _sig("(input, batch1, batch2, *, beta=1, alpha=1, out=None)"),
+    "linear": _sig("(input, weight, bias=None)"),
+    "rmatmul": _sig("(input, other)"),
+}
+
+_matmul = _product("matmul", lambda mod, input, other: autograd.matmul(input, other, module=mod),
+                   "input", "other")
+_mm = _product("mm", lambda mod, input, mat2: autograd.mm(input, mat2, module=mod), "input", "mat2")
+_bmm = _product("bmm", lambda mod, input, mat2: autograd.bmm(input, mat2, module=mod), "input", "mat2")
+_addmm = _product("addmm", lambda mod, input, mat1, mat2, beta=1, alpha=1: autograd.addmm(
+    input, mat1, mat2, beta=beta, alpha=alpha, module=mod), "mat1", "mat2")
+_baddbmm = _product("baddbmm", lambda mod, input, batch1, batch2, beta=1, alpha=1: autograd.baddbmm(
+    input, batch1, batch2, beta=beta, alpha=alpha, module=mod), "batch1", "batch2")
+_linear = _product("linear", lambda mod, input, weight, bias=None: autograd.linear(
+    input, weight, bias, module=mod), "input", "weight")
+_rmatmul = _product("rmatmul", lambda mod, input, other: autograd.matmul(other, input, module=mod),
+                    "input", "other")
 
 _PRODUCTS = {
-    torch.matmul: _ab(autograd.matmul), torch.Tensor.matmul: _ab(autograd.matmul),
-    torch.Tensor.__matmul__: _ab(autograd.matmul),
-    torch.Tensor.__rmatmul__: lambda mod, a, b, **kw: autograd.matmul(b, a, module=mod),
-    torch.mm: _ab(autograd.mm), torch.Tensor.mm: _ab(autograd.mm),
-    torch.bmm: _ab(autograd.bmm), torch.Tensor.bmm: _ab(autograd.bmm),
-    torch.addmm: _addlike(autograd.addmm), torch.Tensor.addmm: _addlike(autograd.addmm),
-    torch.baddbmm: _addlike(autograd.baddbmm), torch.Tensor.baddbmm: _addlike(autograd.baddbmm),
-    F.linear: lambda mod, x, w, b=None, **kw: autograd.linear(x, w, b, module=mod),
+    torch.matmul: _matmul, torch.Tensor.matmul: _matmul, torch.Tensor.__matmul__: _matmul,
+    torch.Tensor.__rmatmul__: _rmatmul,
+    torch.mm: _mm, torch.Tensor.mm: _mm,
+    torch.bmm: _bmm, torch.Tensor.bmm: _bmm,
+    torch.addmm: _addmm, torch.Tensor.addmm: _addmm,
+    torch.baddbmm: _baddbmm, torch.Tensor.baddbmm: _baddbmm,
+    F.linear: _linear,
 }

@@ -3,7 +3,10 @@
 ``protect`` swaps the class of every ``nn.Linear`` (and of Hugging Face's GPT-2 ``Conv1D``, an
 addmm) in place for a checked subclass: the parameters, buffers, hooks and ``state_dict`` stay
 exactly what they were, the optimizer keeps its references, and ``unprotect`` swaps the class back.
-Alarms are labelled with the module's qualified name.
+Alarms are labelled with the module's qualified name. An ``nn.Linear`` subclass with a forward
+of its own (routers that return tuples, quantized and adapter layers) is left as it is, since the
+checked forward would replace its own: its products are checked where they reach torch's
+functions under ``abft.checked()`` (``protect`` lists it under ``own_forward``).
 
 Weight checksums (``cache_weight_checksums=True``, the default for protected modules): the
 statistics of W the row check needs are kept from the last time the weight parameter changed
@@ -18,7 +21,7 @@ import math
 
 from torch import nn
 
-from abft import autograd, weightcache
+from abft import autograd, dtensor, weightcache
 
 
 class _Checked:
@@ -36,8 +39,20 @@ class _Checked:
         return autograd.linear(x, self.weight, self.bias, module=self._abft_name,
                                cache=self._abft_cache)
 
+    def __reduce_ex__(self, protocol):
+        if type(self) not in _classes.values():       # a class of its own (abft.nn.Linear)
+            return super().__reduce_ex__(protocol)
+        return _rebuild, (type(self)._abft_base, self._abft_kind), self.__getstate__()
+
 
 _classes = {}
+
+
+def _rebuild(base, kind):
+    """Unpickling a protected module: its checked class made again from the plain one (the
+    checked classes are made at run time, so pickle cannot find them by name)."""
+    cls = _checked_class(base, kind)
+    return cls.__new__(cls)
 
 
 def _checked_class(cls, kind):
@@ -82,6 +97,12 @@ def _loaded(mod, incompatible_keys):
     weightcache.forget()
 
 
+def _own_forward(cls):
+    """Whether an ``nn.Linear`` subclass defines its own forward (a router returning a tuple, a
+    quantized or adapter layer): swapping it for the checked forward would change what it does."""
+    return cls.forward is not nn.Linear.forward
+
+
 def _kind(mod):
     if isinstance(mod, nn.Linear):
         return "linear"
@@ -95,17 +116,21 @@ def protect(model, *, cache_weight_checksums=True, prefix=""):
 
     Returns:
         dict with ``linear`` and ``conv1d`` (qualified names swapped), ``already`` (protected
-        before) and ``not_covered`` (modules with GEMMs this cannot reach, e.g.
+        before), ``own_forward`` (``nn.Linear`` subclasses with a forward of their own, left as
+        they are: their products are checked under ``abft.checked()``) and ``not_covered`` (modules with GEMMs this cannot reach, e.g.
         ``nn.MultiheadAttention``, which uses its weights directly: use ``abft.checked()``).
     """
-    summary = {"linear": [], "conv1d": [], "already": [], "not_covered": []}
+    dtensor.ensure()          # eagerly: a torch.compile of the model must not register it
+    summary = {"linear": [], "conv1d": [], "already": [], "own_forward": [], "not_covered": []}
     for name, mod in model.named_modules():
         qual = prefix + name if name else (prefix.rstrip(".") or type(model).__name__)
         if isinstance(mod, _Checked):
             summary["already"].append(qual)
             continue
         kind = _kind(mod)
-        if kind is not None:
+        if kind == "linear" and _own_forward(type(mod)):
+            summary["own_forward"].append(qual)       # kept as it is (module docstring)
+        elif kind is not None:
             mod.__class__ = _checked_class(type(mod), kind)
             _label(mod, qual, cache_weight_checksums)
             summary[kind].append(qual)

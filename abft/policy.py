@@ -127,10 +127,19 @@ def emit(alarms, log):
         _stats["alarms"] += 1
         for lg in logs:
             lg.append(a)
-        if a.action == "warned":
-            warnings.warn(str(a), RuntimeWarning, stacklevel=3)
-        if s.on_alarm is not None:
-            s.on_alarm(a)
+    # the user's side (warnings, which may be errors, and the callback) after every alarm is
+    # logged; each alarm still reaches it when an earlier one raised, and the first error is raised
+    error = None
+    for a in alarms:
+        try:
+            if a.action == "warned":
+                warnings.warn(str(a), RuntimeWarning, stacklevel=3)
+            if s.on_alarm is not None:
+                s.on_alarm(a)
+        except Exception as e:
+            error = error or e
+    if error is not None:
+        raise error
 
 
 def enqueue(p):
@@ -193,11 +202,19 @@ def flush():
         for i, row in zip(idxs, torch.stack([items[i].summary for i in idxs]).cpu().tolist()):
             summaries[i] = row
     new = reported
+    error = None
     for p, summary in zip(items, summaries):
         if _count(summary, p.info):
             alarms = alarms_of(p, p.info["action"])
-            emit(alarms, p.log)
             new.extend(alarms)
+            try:
+                emit(alarms, p.log)
+            except Exception as e:          # a raising callback: resolve the rest first
+                error = error or e
+    if error is not None:
+        with _lock:                         # the next flush() returns what this one could not
+            _reported[:0] = new
+        raise error
     return new
 
 

@@ -1,4 +1,6 @@
 """Global settings: ``abft.config(...)`` sets them, and used as a context manager restores them."""
+import math
+import numbers
 import operator
 import os
 from dataclasses import dataclass, fields, replace
@@ -44,7 +46,7 @@ def _validate(s):
             import triton  # noqa: F401
         except ImportError as e:
             raise ValueError(f"abft.config: backend {s.backend!r} needs triton ({e})") from e
-    if not (isinstance(s.sample_every, int) and s.sample_every >= 1):
+    if isinstance(s.sample_every, bool) or not (isinstance(s.sample_every, int) and s.sample_every >= 1):
         raise ValueError(f"abft.config: sample_every must be an int >= 1, got {s.sample_every!r}")
     if s.tiles is not None:
         t = s.tiles
@@ -57,8 +59,16 @@ def _validate(s):
                 raise ValueError(f"abft.config: tiles: {why}")
     if s.on_alarm is not None and not callable(s.on_alarm):
         raise ValueError("abft.config: on_alarm must be callable")
-    if s.max_pending < 1 or s.max_pending_bytes < 1:
-        raise ValueError("abft.config: max_pending and max_pending_bytes must be positive")
+    if not isinstance(s.enabled, bool):
+        raise ValueError(f"abft.config: enabled must be True or False, got {s.enabled!r}")
+    for name in ("max_pending", "max_pending_bytes"):
+        v = getattr(s, name)
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < 1:
+            raise ValueError(f"abft.config: {name} must be a positive int, got {v!r}")
+    if s.lam is not None and (isinstance(s.lam, bool) or not isinstance(s.lam, numbers.Real)
+                              or not math.isfinite(s.lam) or s.lam <= 0):
+        raise ValueError(f"abft.config: lam must be a finite number > 0 (the threshold's "
+                         f"multiplier), got {s.lam!r}")
 
 
 class config:
@@ -86,11 +96,11 @@ class config:
                 raise ValueError(f"abft.config: tiles must be two positive ints, got {t!r}") from None
         new = replace(_settings, **changes)
         _validate(new)
-        self._previous = _settings
-        _settings = new
-        if "log_path" in changes:
+        if "log_path" in changes:       # opened before anything changes: a bad path changes nothing
             from abft.alarms import default_log
             default_log().set_path(new.log_path)
+        self._previous = _settings
+        _settings = new
 
     def __enter__(self):
         return _settings

@@ -12,11 +12,16 @@ DEFAULT_SHAPES = "512x512x512,1024x1024x1024,2048x2048x2048,4096x4096x4096,linea
 
 
 def parse_shapes(text):
-    """'MxKxN,...' or 'linear:TxINxOUT' -> list of (kind, m, k, n)."""
+    """'MxKxN,...' or 'linear:TxINxOUT' -> list of (kind, m, k, n); ValueError naming --shapes."""
     out = []
     for item in text.split(","):
-        kind, _, dims = item.rpartition(":")
-        m, k, n = (int(x) for x in dims.lower().split("x"))
+        kind, _, dims = item.strip().rpartition(":")
+        parts = dims.lower().split("x")
+        if kind not in ("", "matmul", "linear") or len(parts) != 3 or \
+                not all(p.strip().isdigit() and int(p) >= 1 for p in parts):
+            raise ValueError(f"--shapes: each item MxKxN or linear:TOKENSxINxOUT of whole "
+                             f"numbers >= 1, got {item!r}")
+        m, k, n = (int(x) for x in parts)
         out.append((kind or "matmul", m, k, n))
     return out
 
@@ -118,7 +123,9 @@ def detector_step_pair(factory, detector):
 
 def load_factory(spec):
     import importlib
-    mod, _, name = spec.partition(":")
+    mod, sep, name = spec.partition(":")
+    if not sep or not mod or not name:
+        raise ValueError("no ':' between the module and the factory")
     return getattr(importlib.import_module(mod), name)
 
 
@@ -330,8 +337,29 @@ def static_bench(args):
     return 0
 
 
+def _bad_input(args):
+    """Why the arguments cannot run (one line naming the option), or None."""
+    if args.reps < 0:
+        return f"--reps must be a whole number >= 0, got {args.reps}"
+    try:
+        parse_shapes(args.shapes)
+    except ValueError as e:
+        return str(e)
+    if args.model:
+        try:
+            load_factory(args.model)
+        except (ImportError, AttributeError, ValueError) as e:
+            return f"--model must be package.module:factory, got {args.model!r} ({e})"
+    return None
+
+
 def main(args):
     """``abft bench`` but ``--validate`` (``validate.main``)."""
+    import sys
+    why = _bad_input(args)
+    if why:
+        print(f"abft bench: {why}", file=sys.stderr)
+        return 2
     if args.out is None:
         args.out = "runs/static"
     if args.static:
