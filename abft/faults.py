@@ -24,6 +24,7 @@ import operator
 import threading
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from abft.kernels import layout as L
@@ -54,6 +55,7 @@ class CallContext:
     changed: int = None         # set by the injection: elements whose bits it changed
     tiles: tuple = None         # set after the check: the verdict's (rows, cols) per tile
     operands: tuple = None      # (a, b) as the GEMM reads them, for value- or size-triggered faults
+    batch_shape: tuple = None   # the caller's batch dims, where the product folds them into one
 
     @property
     def module(self):
@@ -148,9 +150,20 @@ class Injection:
             return slice(self.row, self.row + 1), slice(self.col, n, self.stride)
         return slice(self.row, self.row + self.size[0]), slice(self.col, self.col + self.size[1])
 
+    def folded(self, ctx):
+        """``batch`` as an index of the product's own batch dims: the caller's coordinates
+        (``batch=(1, 2)`` of a 4-D matmul) folded as the product folds them."""
+        shape = ctx.batch_shape if ctx is not None else None
+        if shape and len(self.batch) == len(shape):
+            if not all(0 <= b < s for b, s in zip(self.batch, shape)):
+                raise IndexError(f"abft.inject: batch {self.batch} is outside the product's batch "
+                                 f"shape {tuple(shape)}")
+            return (int(np.ravel_multi_index(self.batch, shape)),)
+        return tuple(self.batch)
+
     def apply(self, c, ctx):
         """Corrupt ``c`` (..., M, N) in place."""
-        batch = tuple(self.batch) or (0,) * (c.dim() - 2)       # default: the first batch element
+        batch = self.folded(ctx) or (0,) * (c.dim() - 2)       # default: the first batch element
         target = c[batch] if batch else c
         if self.pattern == "periodic":
             n, changed = target.shape[-1], 0
@@ -275,7 +288,8 @@ def kernel_injection(ctx):
                     raise NotImplementedError("abft.inject: the triton backend flips one bit")
                 bit = bit[0]
             inj.hits.append(ctx)
-            batch = inj.batch[0] if inj.batch else 0
+            folded = inj.folded(ctx)
+            batch = folded[0] if folded else 0
             return dict(kind=inj.kind, batch=batch, row=inj.row, col=inj.col, k_step=0,
                         bit=bit, value=inj.value)
     return None

@@ -55,6 +55,7 @@ class Problem:
     addend: torch.Tensor = None        # broadcastable to c (a bias, addmm's input); None: none
     beta: float = 1.0
     flat_rows: tuple = None            # c's rows are these leading dims folded (alarm rows)
+    flat_batch: tuple = None           # c's one batch dim is these caller's batch dims folded
     b_stats: object = None             # kept statistics of b (a weight's: ``abft.weightcache``)
     finish: object = None              # c -> the op's result (None: c itself)
     again: object = None               # () -> this product computed afresh (None: it cannot be)
@@ -83,7 +84,8 @@ def _info(pb, ctx, bm, bn, backend):
     return dict(op=pb.op, phase=ctx.phase, labels=ctx.labels, call_id=ctx.call_id,
                 rank=context.current_rank(), shapes=(tuple(pb.a.shape), tuple(pb.b.shape)),
                 dtype=str(pb.dtype).replace("torch.", ""), bm=bm, bn=bn, backend=backend,
-                time=policy.now(), flat_rows=pb.flat_rows, action="recorded")
+                time=policy.now(), flat_rows=pb.flat_rows, flat_batch=pb.flat_batch,
+                action="recorded")
 
 
 def _verify_reference(pb, ctx, s):
@@ -188,7 +190,7 @@ def run_checked(pb, *, phase="forward", module=None):
         return pb.result()
     coverage.count(pb.op, labels.get("module"), "checked")
     ctx = faults.CallContext(pb.op, phase, labels, call_id, pb.shape, pb.dtype,
-                             operands=(pb.a, pb.b))
+                             operands=(pb.a, pb.b), batch_shape=pb.flat_batch)
     pend = verify(pb, ctx, s)
     ctx.verdict, ctx.tiles = pend.verdict, (pend.info["bm"], pend.info["bn"])
 
@@ -293,6 +295,9 @@ def matmul(a, b, *, op="matmul", phase="forward", module=None, a_rg=False, b_rg=
         return matmul(a, b.squeeze(0), op=op, phase=phase, module=module, a_rg=a_rg, b_rg=b_rg)
     x, y, flat, fin, compute = _canonical(plan, a, b)
     kw = dict(flat_rows=flat, finish=fin, b_stats=_kept(y, b, b_stats))
+    if plan.kind == "bmm":
+        batch = decompose.bmm_operands(plan, a, b)[3]
+        kw["flat_batch"] = batch if len(batch) != 1 else None
     pb = _kernel(op, x, y, **kw) if route == "triton" else _computed(op, x, y, compute, **kw)
     return run_checked(pb, phase=phase, module=module)
 

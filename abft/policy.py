@@ -97,6 +97,8 @@ def alarms_of(p, action):
         row = int(rec[L.ROW].item()) if rec[L.ROW_FAILS] > 0 else None
         col = int(rec[L.COL].item()) if rec[L.COL_FAILS] > 0 else None
         batch = tuple(b)
+        if info.get("flat_batch"):          # the caller's batch coordinates, not the folded index
+            batch = tuple(int(x) for x in np.unravel_index(batch[0], info["flat_batch"]))
         flat = info.get("flat_rows")
         if flat is not None and len(flat) > 1:
             # Rows of a folded (..., T, K) operand: report (batch..., row).

@@ -348,3 +348,20 @@ def test_ctrl_c_during_eval_stops_cleanly_with_130(tmp_path):
     assert p.returncode == 130, err[-3000:]
     lines = err.strip().splitlines()
     assert len(lines) == 1 and "--resume" in lines[0] and "Traceback" not in err
+
+
+@pytest.mark.usefixtures("backend")
+def test_batch_coordinates_are_the_callers():
+    """A 4-D product folds its batch dims into one: inject and alarms speak the caller's
+    (batch=(1, 2) of (2, 4, M, N)), not the folded index 6."""
+    torch.manual_seed(0)
+    a, b = torch.randn(2, 4, 16, 8), torch.randn(2, 4, 8, 12)
+    clean = abft.matmul(a, b)
+    with abft.inject(row=3, col=5, batch=(1, 2), kind="add", value=7.0):
+        c = abft.matmul(a, b)
+    (al,) = abft.flush()
+    assert (al.batch, al.row, al.col) == ((1, 2), 3, 5)
+    assert (c != clean).nonzero().tolist() == [[1, 2, 3, 5]]
+    with pytest.raises(IndexError):
+        with abft.inject(row=3, col=5, batch=(2, 0), kind="add", value=7.0):
+            abft.matmul(a, b)
