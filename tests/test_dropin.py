@@ -365,3 +365,48 @@ def test_batch_coordinates_are_the_callers():
     with pytest.raises(IndexError):
         with abft.inject(row=3, col=5, batch=(2, 0), kind="add", value=7.0):
             abft.matmul(a, b)
+
+
+def _hf_configs():
+    tr = pytest.importorskip("transformers")
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                 num_attention_heads=4, max_position_embeddings=64)
+    return {"PhimoeForCausalLM": lambda: tr.PhimoeConfig(**small, num_key_value_heads=2,
+                                                         num_local_experts=4, num_experts_per_tok=2),
+            "Llama4ForCausalLM": lambda: tr.Llama4TextConfig(**small, num_key_value_heads=2,
+                                                             intermediate_size_mlp=48, head_dim=8,
+                                                             num_local_experts=4, num_experts_per_tok=1),
+            "IBertForMaskedLM": lambda: tr.IBertConfig(**small)}
+
+
+@pytest.mark.parametrize("name", ["PhimoeForCausalLM", "Llama4ForCausalLM", "IBertForMaskedLM"])
+def test_hf_models_that_broke_train_bit_identical(name):
+    """Routers that subclass nn.Linear and return tuples (Phimoe, Llama 4) crashed once
+    protected; IBert's F.linear(input=, weight=) raised under checked(). Three AdamW steps with
+    clipping, protected and checked against plain: the same losses and weights, bit for bit."""
+    import copy
+    tr = pytest.importorskip("transformers")
+    cfg = _hf_configs()[name]()
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = getattr(tr, name)(cfg)
+    twin = copy.deepcopy(model)
+    abft.protect(model)
+    ids = torch.randint(0, 64, (2, 12))
+    losses = []
+    for net in (twin, model):
+        torch.manual_seed(1)                # the same dropout and router jitter in both
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+        ls = []
+        for _ in range(3):
+            with abft.checked(model) if net is model else torch.enable_grad():
+                out = net(input_ids=ids, labels=ids)
+                out.loss.backward()
+            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+            ls.append(out.loss.item())
+        losses.append(ls)
+    assert losses[0] == losses[1]
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
+    assert sum(r["checked"] for r in abft.coverage()) > 0 and not abft.flush()
