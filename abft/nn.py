@@ -139,13 +139,23 @@ def protect(model, *, cache_weight_checksums=True, prefix=""):
     return summary
 
 
+def _unchecked_class(cls):
+    """The plain class of a protected module's class. A parametrization registered after
+    ``protect`` (``weight_norm``) made a subclass of the checked class that holds the
+    parametrized attributes: the same subclass is made of the plain class."""
+    if cls in _classes.values() or cls is Linear:
+        return cls._abft_base
+    base = _unchecked_class(cls.__bases__[0])
+    body = {k: v for k, v in cls.__dict__.items() if k not in ("__dict__", "__weakref__")}
+    return type(cls.__name__.replace("Checked", "", 1), (base,), body)
+
+
 def unprotect(model):
     """Restore the plain classes swapped by ``protect``; returns the names restored."""
     names = []
     for name, mod in model.named_modules():
         if isinstance(mod, _Checked):
-            base = type(mod)._abft_base
-            mod.__class__ = base
+            mod.__class__ = _unchecked_class(type(mod))
             hook = mod.__dict__.pop("_abft_load_hook", None)
             if hook is not None:
                 hook.remove()

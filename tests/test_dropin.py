@@ -410,3 +410,18 @@ def test_hf_models_that_broke_train_bit_identical(name):
     assert losses[0] == losses[1]
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
     assert sum(r["checked"] for r in abft.coverage()) > 0 and not abft.flush()
+
+
+def test_unprotect_keeps_a_parametrization_added_after_protect():
+    from torch.nn.utils import parametrize
+    torch.manual_seed(0)
+    m = nn.Sequential(nn.Linear(4, 3))
+    x = torch.randn(2, 4)
+    abft.protect(m)
+    nn.utils.parametrizations.weight_norm(m[0])
+    want = m(x)
+    assert abft.unprotect(m) == ["0"]
+    assert isinstance(m[0], nn.Linear) and not isinstance(m[0], abft.nn._Checked)
+    assert parametrize.is_parametrized(m[0], "weight") and torch.equal(m(x), want)
+    parametrize.remove_parametrizations(m[0], "weight")
+    assert type(m[0]) is nn.Linear and torch.allclose(m(x), want)
