@@ -113,6 +113,16 @@ def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scal
     return autograd.matmul(p, value, module=module)
 
 
+class _Noop:
+    """A ``context_fn`` that torch.utils.checkpoint takes for its default (``noop_context_fn``)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __call__(self):
+        return self.fn()
+
+
 _UNPROTECTED = {F.conv1d: "conv1d", F.conv2d: "conv2d", F.conv3d: "conv3d",
                 F.conv_transpose1d: "conv_transpose1d", F.conv_transpose2d: "conv_transpose2d",
                 torch.conv1d: "conv1d", torch.conv2d: "conv2d", torch.tensordot: "tensordot"}
@@ -132,6 +142,36 @@ class checked(TorchFunctionMode):
         self.names = {id(m): n or type(m).__name__ for n, m in model.named_modules()} if model is not None else None
         self.sdpa = sdpa
         self._hooks = []
+        self._model = model
+        self._checkpoint = None
+
+    def _recompute_context(self):
+        """torch.utils.checkpoint's ``context_fn`` while the block is open: the recomputation
+        (during backward, where torch-function modes are off) runs checked too, so it saves the
+        tensors the checked forward saved (``use_reentrant=False`` compares them)."""
+        import contextlib
+        return contextlib.nullcontext(), checked(self._model, sdpa=self.sdpa)
+
+    def _patch_checkpoint(self):
+        """Make ``_recompute_context`` checkpoint's default context (its ``noop_context_fn``
+        too, which use_reentrant=True requires the default to be), unless an outer block did."""
+        import inspect
+        import torch.utils.checkpoint as cp
+        if isinstance(cp.noop_context_fn, _Noop):
+            return
+        fn = self._recompute_context
+        kw = inspect.unwrap(cp.checkpoint).__kwdefaults__
+        self._checkpoint = (cp.noop_context_fn, kw.get("context_fn"))
+        cp.noop_context_fn = _Noop(fn)
+        kw["context_fn"] = cp.noop_context_fn
+
+    def _unpatch_checkpoint(self):
+        if self._checkpoint is not None:
+            import inspect
+            import torch.utils.checkpoint as cp
+            cp.noop_context_fn, inspect.unwrap(cp.checkpoint).__kwdefaults__["context_fn"] = \
+                self._checkpoint
+            self._checkpoint = None
 
     def _name(self, mod):
         if self.names is not None:
@@ -150,12 +190,14 @@ class checked(TorchFunctionMode):
         pre = torch.nn.modules.module.register_module_forward_pre_hook(push)
         post = torch.nn.modules.module.register_module_forward_hook(pop, always_call=True)
         self._hooks = [pre, post]
+        self._patch_checkpoint()
         return super().__enter__()
 
     def __exit__(self, *exc):
         for h in self._hooks:
             h.remove()
         self._hooks = []
+        self._unpatch_checkpoint()
         return super().__exit__(*exc)
 
     def __torch_function__(self, func, types, args=(), kwargs=None):

@@ -425,3 +425,56 @@ def test_unprotect_keeps_a_parametrization_added_after_protect():
     assert parametrize.is_parametrized(m[0], "weight") and torch.equal(m(x), want)
     parametrize.remove_parametrizations(m[0], "weight")
     assert type(m[0]) is nn.Linear and torch.allclose(m(x), want)
+
+
+def test_non_reentrant_checkpoint_under_checked_recomputes_checked():
+    from torch.utils.checkpoint import checkpoint
+    torch.manual_seed(0)
+    w = torch.randn(6, 5, requires_grad=True)
+    x = torch.randn(4, 6, requires_grad=True)
+    f = lambda t: torch.matmul(t, w).tanh()
+    want = torch.autograd.grad(checkpoint(f, x, use_reentrant=False).sum(), (x, w))
+    with abft.checked():
+        got = torch.autograd.grad(checkpoint(f, x, use_reentrant=False).sum(), (x, w))
+        with abft.inject(row=1, col=2, kind="add", value=3.0, when=lambda c: c.phase == "recompute"):
+            checkpoint(f, x, use_reentrant=False).sum().backward()
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    alarms = abft.flush()
+    assert [(a.phase, a.row, a.col) for a in alarms] == [("recompute", 1, 2)]
+    # use_reentrant=True still runs (its recomputation is torch's, unchecked: README)
+    with abft.checked():
+        y = checkpoint(f, x, use_reentrant=True)
+        y.sum().backward()
+    import torch.utils.checkpoint as cp
+    assert cp.noop_context_fn.__module__ == "torch.utils.checkpoint"      # restored
+
+
+def test_llama_gradient_checkpointing_under_checked_is_bit_identical():
+    import copy
+    tr = pytest.importorskip("transformers")
+    cfg = tr.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    cfg._attn_implementation = "eager"
+    torch.manual_seed(0)
+    model = tr.LlamaForCausalLM(cfg)
+    twin = copy.deepcopy(model)
+    for m in (model, twin):
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        m.train()
+    abft.protect(model)
+    ids = torch.randint(0, 64, (2, 12))
+    losses = []
+    for net in (twin, model):
+        opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
+        ls = []
+        for _ in range(2):
+            with abft.checked(model) if net is model else torch.enable_grad():
+                out = net(input_ids=ids, labels=ids)
+                out.loss.backward()
+            opt.step()
+            opt.zero_grad()
+            ls.append(out.loss.item())
+        losses.append(ls)
+    assert losses[0] == losses[1]
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
+    assert not abft.flush()
