@@ -15,6 +15,9 @@ that would start past it is recorded as skipped):
 - ``stress``: the stress set (``bench/stress.py``) through the kernel, every dtype (fp32 with and
   without tf32), the backward's operand layouts: zero false alarms, values within twice torch's
   error;
+- ``group16``: bitflips (bits 10-19) and the stress set again with the threshold taking the
+  measured 16 products per rounding of bf16 and fp16 (``benchmarks/gpu_threshold.py`` emulates
+  its detection on the CPU);
 - ``timings``: checked / unchecked / torch (cuBLAS) per GEMM of a linear layer at 16384 tokens x
   4096 -> 4096 and -> 14336, and a whole protected ``nn.Linear`` (forward and backward) against a
   plain one.
@@ -59,10 +62,10 @@ def accumulation(dev, smoke):
     return out
 
 
-def bitflips(dev, smoke):
+def bitflips(dev, smoke, bits=None):
     from abft.bench import bitflips as B
     rows = B.run(m=32, k=256 if smoke else 4096, n=32, trials=2 if smoke else 10,
-                 bits=(3, 22, 30) if smoke else range(32), device=dev)
+                 bits=bits or ((3, 22, 30) if smoke else range(32)), device=dev)
     missed = sum(r["above_rounding"] - r["above_detected"] for r in rows)
     return dict(rows=rows, above_rounding=sum(r["above_rounding"] for r in rows),
                 above_missed=missed)
@@ -184,7 +187,29 @@ def timings(dev, smoke, dtype, progress):
     return result
 
 
-SECTIONS = ("accumulation", "bitflips", "stress", "timings")
+def group16(dev, smoke, deadline):
+    """The threshold with the accumulation measured on an H200 (one rounding toward zero per 16
+    products for bf16 and fp16, ``bench/accumulation.py``) in place of the model's 8: the bf16
+    bits where the model's 8 missed flips, and the stress set (zero false alarms needed before
+    the model takes 16). The coefficients are launch arguments: nothing recompiles."""
+    from abft.kernels import threshold as T
+    from abft.kernels import triton_gemm as TG
+    real = TG.accumulation
+
+    def measured(k, dtype, tf32, bk):
+        if dtype in (torch.float16, torch.bfloat16) and not tf32:
+            return T.blocked(k, 16, directed=True)
+        return real(k, dtype, tf32, bk)
+    TG.accumulation = measured
+    try:
+        flips = bitflips(dev, smoke, bits=(3, 14) if smoke else range(10, 20))
+        st = stress(dev, smoke, deadline)
+    finally:
+        TG.accumulation = real
+    return dict(bitflips=flips, stress=st)
+
+
+SECTIONS = ("accumulation", "bitflips", "stress", "group16", "timings")
 
 
 def run(out, smoke=False, budget=450.0, only=None):
@@ -194,7 +219,7 @@ def run(out, smoke=False, budget=450.0, only=None):
     t0 = time.time()
     deadline = t0 + budget
     report = dict(env=env(dev), smoke=smoke, budget_s=budget, sections={})
-    share = dict(stress=0.45)           # of the budget left when the section starts
+    share = dict(stress=0.45, group16=0.3)     # of the budget left when the section starts
     for name in SECTIONS:
         if only and name not in only:
             continue
@@ -211,6 +236,8 @@ def run(out, smoke=False, budget=450.0, only=None):
                 sec["result"] = bitflips(dev, smoke)
             elif name == "stress":
                 sec["result"] = stress(dev, smoke, s0 + share["stress"] * (deadline - s0))
+            elif name == "group16":
+                sec["result"] = group16(dev, smoke, s0 + share["group16"] * (deadline - s0))
             else:
                 def progress(result):
                     sec.update(result=result, status="running")
@@ -264,6 +291,12 @@ def markdown(report):
             what = (f"{r['cases']} cases ({r['skipped']} skipped): {r['alarmed_tiles']} alarmed "
                     f"tiles, {r['not_ok_tiles']} not OK, worst ratio {r['worst_ratio']}, "
                     f"{r['values_off']} with values off")
+        elif r is not None and name == "group16":
+            b, st = r["bitflips"], r["stress"]
+            what = (f"{b['above_rounding'] - b['above_missed']} of {b['above_rounding']} flips "
+                    f"above bf16 rounding caught; stress {st['cases']} cases "
+                    f"({st['skipped']} skipped): {st['alarmed_tiles']} alarmed tiles, worst ratio "
+                    f"{st['worst_ratio']}")
         elif r is not None and name == "timings":
             what = f"{len(r['gemms'])} GEMMs, {len(r['layers'])} layers (below)"
         lines.append(f"| {name} | {sec['status']} | {sec.get('seconds', '')} | {what} |")

@@ -94,3 +94,18 @@ def test_the_probe_rows_identify_the_group_and_the_rounding(truth):
     fits = [f for f in A.fit(observed, cases) if f["mismatches"] == 0]
     assert dict(group=truth[0], extra_bits=truth[1], rounding=truth[2], mismatches=0) in fits
     assert {(f["group"], f["rounding"]) for f in fits} == {truth[::2]}
+
+
+def test_group16_sets_the_measured_accumulation_and_restores_the_model(monkeypatch):
+    from abft.kernels import threshold as T
+    from abft.kernels import triton_gemm as TG
+    seen = []
+    probe = lambda *a, **k: seen.append((TG.accumulation(4096, torch.bfloat16, False, 32),
+                                         TG.accumulation(4096, torch.float32, True, 32))) or {}
+    monkeypatch.setattr(validate, "bitflips", probe)
+    monkeypatch.setattr(validate, "stress", probe)
+    real = TG.accumulation
+    validate.group16("cpu", True, 0)
+    assert TG.accumulation is real
+    assert seen[0][0] == T.blocked(4096, 16, directed=True)
+    assert seen[0][1] == real(4096, torch.float32, True, 32)          # tf32 keeps the model's
