@@ -280,7 +280,7 @@ _SIGS = {
     "bmm": _sig("(input, mat2, *, out=None)"),
     "addmm": _sig("(input, mat1, mat2, *, beta=1, alpha=1, out=None)"),
     "baddbmm": _sig("(input, batch1, batch2, *, beta=1, alpha=1, out=None)"),
-    "linear": _sig("(input, weight, bias=None)"),
+    "linear": _sig("(input, weight, bias=None, *, out=None)"),
     "rmatmul": _sig("(input, other)"),
 }
 

@@ -337,8 +337,10 @@ def test_ctrl_c_during_eval_stops_cleanly_with_130(tmp_path):
     import sys
     import time
     out = tmp_path / "run"
+    # SIGINT as a terminal delivers it: not ignored, as a shell's background job would have it
     p = subprocess.Popen([sys.executable, "-m", "abft.cli", "eval", "--out", str(out), "--quiet"],
-                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                         preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     deadline = time.time() + 120
     while not (out / "pretrain.json").exists() and time.time() < deadline and p.poll() is None:
         time.sleep(0.5)

@@ -52,6 +52,7 @@ def test_out(op):
         with abft.checked():
             ret = op.op(s.input, *s.args, **s.kwargs, out=out)
         assert ret is out and _same(out, want), (op.name, s)
+    assert sum(r["checked"] for r in abft.coverage()) > 0 and not abft.flush()
 
 
 @pytest.mark.parametrize("fast", [True, pytest.param(False, marks=pytest.mark.slow)],
