@@ -242,21 +242,19 @@ def _to_out(func, args, kwargs, out, compute):
     return out
 
 
-def _product(name, compute, *operands_of):
-    """A handler with torch's signature: ``compute(mod, **bound)`` for a checkable product,
-    torch's own call otherwise (counted as unprotected); keywords bound by torch's names, so an
-    argument torch does not take raises torch's own error."""
+def _product(name, compute, *operands_of, optional=()):
+    """A handler with torch's signature: ``compute(mod, **bound)`` for a product whose tensor
+    arguments (``operands_of``, and ``optional`` ones where given and not None, by torch's names)
+    abft checks, torch's own call otherwise (counted as unprotected); keywords bound by torch's
+    names, so an argument torch does not take raises torch's own error."""
     def handle(func, mod, args, kwargs):
         try:
             bound = _SIGS[name].bind(*args, **kwargs).arguments
         except TypeError:
             return func(*args, **kwargs)               # torch's own error (or an overload we lack)
         out = bound.pop("out", None)
-        ops_ = [bound[k] for k in operands_of]
-        if "input" in bound and name in ("addmm", "baddbmm"):
-            ops_.append(bound["input"])
-        if name == "linear" and bound.get("bias") is not None:
-            ops_.append(bound["bias"])
+        ops_ = [bound[k] for k in operands_of] + \
+            [bound[k] for k in optional if bound.get(k) is not None]
         if not _checkable(*ops_) or (out is not None and not _checkable(out)):
             coverage.unprotected(name, mod)
             return func(*args, **kwargs)
@@ -289,11 +287,11 @@ _matmul = _product("matmul", lambda mod, input, other: autograd.matmul(input, ot
 _mm = _product("mm", lambda mod, input, mat2: autograd.mm(input, mat2, module=mod), "input", "mat2")
 _bmm = _product("bmm", lambda mod, input, mat2: autograd.bmm(input, mat2, module=mod), "input", "mat2")
 _addmm = _product("addmm", lambda mod, input, mat1, mat2, beta=1, alpha=1: autograd.addmm(
-    input, mat1, mat2, beta=beta, alpha=alpha, module=mod), "mat1", "mat2")
+    input, mat1, mat2, beta=beta, alpha=alpha, module=mod), "input", "mat1", "mat2")
 _baddbmm = _product("baddbmm", lambda mod, input, batch1, batch2, beta=1, alpha=1: autograd.baddbmm(
-    input, batch1, batch2, beta=beta, alpha=alpha, module=mod), "batch1", "batch2")
+    input, batch1, batch2, beta=beta, alpha=alpha, module=mod), "input", "batch1", "batch2")
 _linear = _product("linear", lambda mod, input, weight, bias=None: autograd.linear(
-    input, weight, bias, module=mod), "input", "weight")
+    input, weight, bias, module=mod), "input", "weight", optional=("bias",))
 _rmatmul = _product("rmatmul", lambda mod, input, other: autograd.matmul(other, input, module=mod),
                     "input", "other")
 

@@ -216,6 +216,15 @@ def rotation(nbytes, l2_bytes, cap=64):
     return max(2, min(cap, -(-2 * l2_bytes // max(nbytes, 1))))
 
 
+def ms_timer(dev):
+    """``timer(fn) -> ms``: Triton's ``do_bench`` on CUDA (CUDA events, L2 flushed between
+    runs), one interleaved pair elsewhere (the interpreter: a smoke run, not a timing)."""
+    if dev == "cuda":
+        import triton.testing
+        return triton.testing.do_bench
+    return lambda f: interleaved(f, f, 1)["plain_ms"]
+
+
 def kernel_rows(spec, dtype, dev):
     """Yields, per GEMM of ``spec``: torch (cuBLAS), the fused kernel with checks compiled out, checked,
     and checked with the weight's pre-pass kept (forward and grad_input), in ms (``do_bench``
@@ -226,13 +235,8 @@ def kernel_rows(spec, dtype, dev):
     from abft.kernels import prepass
     from abft.kernels import triton_gemm as TG
     checked_gemm = TG.checked_gemm
-    cuda = dev == "cuda"
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size if cuda else 1 << 20
-    if cuda:
-        import triton.testing
-        timer = triton.testing.do_bench
-    else:
-        timer = lambda f: interleaved(f, f, 1)["plain_ms"]
+    l2 = torch.cuda.get_device_properties(0).L2_cache_size if dev == "cuda" else 1 << 20
+    timer = ms_timer(dev)
     g = torch.Generator().manual_seed(0)
     for kind, m0, k0, n0 in parse_shapes(spec):
         for gemm, m, k, n, make in gemms(kind, m0, k0, n0):

@@ -171,11 +171,7 @@ def timings(dev, smoke, dtype, progress):
         rows.append(row)
         progress(result)
     g = torch.Generator().manual_seed(1)
-    if dev == "cuda":
-        import triton.testing
-        timer = triton.testing.do_bench
-    else:
-        timer = lambda f: overhead.interleaved(f, f, 1)["plain_ms"]
+    timer = overhead.ms_timer(dev)
     for kind, t, i, o in overhead.parse_shapes(spec):
         r = _layer(dev, dtype, t, i, o, timer, g)
         r.update(shape=f"{t}x{i}->{o}")
@@ -258,12 +254,13 @@ def run(out, smoke=False, budget=450.0, only=None):
 
 
 def _write(out, report):
-    with open(os.path.join(out, "validate.json.tmp"), "w") as f:
-        json.dump(report, f, indent=1, default=str)
-    os.replace(os.path.join(out, "validate.json.tmp"), os.path.join(out, "validate.json"))
-    with open(os.path.join(out, "validate.md.tmp"), "w") as f:
-        f.write(markdown(report))
-    os.replace(os.path.join(out, "validate.md.tmp"), os.path.join(out, "validate.md"))
+    """validate.json and validate.md, each replaced whole (a run cut short leaves no half file)."""
+    for name, text in (("validate.json", json.dumps(report, indent=1, default=str)),
+                       ("validate.md", markdown(report))):
+        path = os.path.join(out, name)
+        with open(path + ".tmp", "w") as f:
+            f.write(text)
+        os.replace(path + ".tmp", path)
 
 
 def markdown(report):

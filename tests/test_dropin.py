@@ -394,24 +394,31 @@ def test_hf_models_that_broke_train_bit_identical(name):
     model = getattr(tr, name)(cfg)
     twin = copy.deepcopy(model)
     abft.protect(model)
+    _train_bit_identical(model, twin, steps=3, clip=True)
+    assert sum(r["checked"] for r in abft.coverage()) > 0 and not abft.flush()
+
+
+def _train_bit_identical(model, twin, steps, clip):
+    """AdamW steps of the protected ``model`` under ``checked`` and of its plain ``twin`` on the
+    same tokens and seeds: the same losses and weights, bit for bit."""
     ids = torch.randint(0, 64, (2, 12))
     losses = []
     for net in (twin, model):
         torch.manual_seed(1)                # the same dropout and router jitter in both
         opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
         ls = []
-        for _ in range(3):
+        for _ in range(steps):
             with abft.checked(model) if net is model else torch.enable_grad():
                 out = net(input_ids=ids, labels=ids)
                 out.loss.backward()
-            torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
+            if clip:
+                torch.nn.utils.clip_grad_norm_(net.parameters(), 1.0)
             opt.step()
             opt.zero_grad()
             ls.append(out.loss.item())
         losses.append(ls)
     assert losses[0] == losses[1]
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
-    assert sum(r["checked"] for r in abft.coverage()) > 0 and not abft.flush()
 
 
 def test_unprotect_keeps_a_parametrization_added_after_protect():
@@ -464,19 +471,5 @@ def test_llama_gradient_checkpointing_under_checked_is_bit_identical():
         m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
         m.train()
     abft.protect(model)
-    ids = torch.randint(0, 64, (2, 12))
-    losses = []
-    for net in (twin, model):
-        opt = torch.optim.AdamW(net.parameters(), lr=1e-3)
-        ls = []
-        for _ in range(2):
-            with abft.checked(model) if net is model else torch.enable_grad():
-                out = net(input_ids=ids, labels=ids)
-                out.loss.backward()
-            opt.step()
-            opt.zero_grad()
-            ls.append(out.loss.item())
-        losses.append(ls)
-    assert losses[0] == losses[1]
-    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), twin.parameters()))
+    _train_bit_identical(model, twin, steps=2, clip=False)
     assert not abft.flush()
