@@ -5,8 +5,10 @@ whatever their size) dominate.
 - api: a 64 x 64 x 64 float32 ``abft.matmul`` + ``abft.flush()`` minus ``a @ b``, the median over
   interleaved pairs after a warm-up, one thread;
 - check: ``reference.check`` alone on the same product, and the count of torch ops it issues;
-- with ``--compile``: the same check through ``torch.compile`` (inductor, one graph), its compile
-  time for the shape, its cost per call, and whether its verdicts equal the eager check's;
+  both rows for the compiled check (``kernels/compiled.py``, the default on the CPU) and for the
+  torch check (``reference.check_torch``, its oracle), alternated call by call in one process;
+- with ``--compile``: the torch check through ``torch.compile`` (inductor, one graph), its compile
+  time for the shape, its cost per call, and whether its verdicts equal the eager torch check's;
 - with ``--against DIR`` (another commit's ``kernels/``, e.g. from ``git archive``): both rows for
   that check too, alternated call by call with this tree's in one process (separate processes on
   a shared machine differ by more than the change), and whether their verdicts are bit-equal, on
@@ -66,6 +68,8 @@ def load_other(kernels_dir):
     pkg.mkdir()
     for f in pathlib.Path(kernels_dir).glob("*.py"):
         (pkg / f.name).write_text(f.read_text().replace("abft.kernels", "abft_other"))
+    if (pathlib.Path(kernels_dir) / "csrc").is_dir():
+        shutil.copytree(pathlib.Path(kernels_dir) / "csrc", pkg / "csrc")
     for name in [m for m in sys.modules if m == "abft_other" or m.startswith("abft_other.")]:
         del sys.modules[name]                     # an earlier call's
     sys.path.insert(0, str(root))
@@ -153,7 +157,7 @@ def _measure(pairs, warmup, size, compile, against):
     kw = dict(bm=size, bn=size, units=reference.units_for(c))
     # only the check is swapped: abft binds reference.weight_stats at import (a protected layer's
     # weights, which this product has none of)
-    arms = {"this tree": reference.check}
+    arms = {"this tree": reference.check, "torch": reference.check_torch}
     if against is not None:
         other = load_other(against)
         arms["--against"] = other.check
@@ -210,10 +214,11 @@ def _measure(pairs, warmup, size, compile, against):
         out["cases"] = on_cases
     else:
         out["this tree"].pop("verdict")
+    out["torch"].pop("verdict")
     out.update(out.pop("this tree"))
-    run = lambda: reference.check(a, b, c, **kw)
-    if compile:
-        fn = torch.compile(reference.check, fullgraph=True, dynamic=False)
+    run = lambda: reference.check_torch(a, b, c, **kw)
+    if compile:                            # the torch check traced (the compiled one is not torch's)
+        fn = torch.compile(reference.check_torch, fullgraph=True, dynamic=False)
         t0 = time.perf_counter()
         first = fn(a, b, c, **kw)
         secs = time.perf_counter() - t0

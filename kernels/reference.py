@@ -16,12 +16,12 @@ import math
 
 import torch
 
-from abft.kernels import backends
+from abft.kernels import backends, compiled
 from abft.kernels import layout as L
 from abft.kernels import threshold as T
 from abft.kernels.stats import _CHUNK, _pad_blocks, _rows_per_chunk, _sum_blocks, operand_stats
 
-__all__ = ["check", "weight_stats", "units_for"]
+__all__ = ["check", "check_torch", "weight_stats", "units_for"]
 
 F64 = torch.float64
 
@@ -38,6 +38,8 @@ def weight_stats(b, bn):
     """Statistics of the columns of B (K, N) for blocks of ``bn`` columns: what ``check`` needs of
     a B that does not change between calls (a weight), to pass back as ``b_stats``."""
     k = b.shape[-2]
+    if compiled.usable(b, b, b, None):
+        return compiled.stats(b.mT, bn, need_abs=k <= T.SMALL_K)
     return operand_stats(b.mT, bn, need_s=True, need_abs=k <= T.SMALL_K)
 
 
@@ -194,7 +196,20 @@ def _side(coef, sums, pred, xst, yst, alpha, t):
 
 def check(a, b, c, *, bm, bn, units, acc=None, chk=None, alpha=1.0, addend=None, beta=1.0, lam=None,
           return_sums=False, b_stats=None):
-    """Verify ``c == alpha * a @ b + addend`` tile by tile.
+    """Verify ``c == alpha * a @ b + addend`` tile by tile: the compiled check where it can run
+    (``compiled.usable``), else ``check_torch`` (the same arguments and results)."""
+    if compiled.usable(a, b, c, addend):
+        return compiled.check(a, b, c, bm=bm, bn=bn, units=units, acc=acc or T.recursive(a.shape[-1]),
+                              chk=chk, alpha=alpha, addend=addend, beta=beta, lam=lam,
+                              return_sums=return_sums, b_stats=b_stats)
+    return check_torch(a, b, c, bm=bm, bn=bn, units=units, acc=acc, chk=chk, alpha=alpha, addend=addend,
+                       beta=beta, lam=lam, return_sums=return_sums, b_stats=b_stats)
+
+
+def check_torch(a, b, c, *, bm, bn, units, acc=None, chk=None, alpha=1.0, addend=None, beta=1.0, lam=None,
+                return_sums=False, b_stats=None):
+    """Verify ``c == alpha * a @ b + addend`` tile by tile, with torch ops (on any device; the
+    compiled check's oracle).
 
     Args:
         a: (..., M, K) operand.

@@ -384,7 +384,7 @@ def test_exponents_are_frexps_on_every_kind_of_value():
 
 
 def test_the_reference_check_of_a_small_product_issues_few_torch_ops():
-    """The reference check's fixed cost is its count of torch ops (microseconds each, whatever the
+    """The torch check's fixed cost is its count of torch ops (microseconds each, whatever the
     size): 705 for a 64 x 64 x 64 float32 product before the zero-coefficient terms, the CPU's
     all-finite shortcut and the one-chunk statistics; 566 after. The bound leaves a little room."""
     from torch.utils._python_dispatch import TorchDispatchMode
@@ -399,9 +399,10 @@ def test_the_reference_check_of_a_small_product_issues_few_torch_ops():
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(64, 64, generator=g), torch.randn(64, 64, generator=g)
     c = a @ b
-    check(a, b, c, bm=64, bn=64, units=units(torch.float32))
+    from abft.kernels.reference import check_torch
+    check_torch(a, b, c, bm=64, bn=64, units=units(torch.float32))
     with Count():
-        v, _ = check(a, b, c, bm=64, bn=64, units=units(torch.float32))
+        v, _ = check_torch(a, b, c, bm=64, bn=64, units=units(torch.float32))
     assert (v[..., L.STATUS] == L.OK).all()
     assert Count.n <= 580, Count.n
 

@@ -1,0 +1,278 @@
+"""The reference check compiled (``csrc/reference.cpp``), built on first use and called through ctypes.
+
+Why a plain shared library and not a torch extension (``torch.utils.cpp_extension``) or numba:
+the check needs no torch API inside, only pointers and strides, so the source includes no torch
+header and builds with the system's C++ compiler in seconds (a torch extension's headers take a
+minute on 2 cores, numba is a 100 MB dependency and JIT-compiles per dtype at first call); it does
+not depend on torch's C++ ABI, so a torch upgrade does not break it. OpenMP threads: the library
+links ``libgomp.so.1``, the runtime torch's CPU build loads itself, so both share one thread pool.
+
+The library is compiled once per source, compiler flags and CPU (``-march=native``) into
+``$ABFT_CACHE`` (default ``~/.cache/abft``), with one line on stderr while it builds. Where that
+fails (no compiler), the torch check runs instead, with one warning that says so.
+``ABFT_COMPILED=0`` turns the compiled check off (the torch check then runs everywhere).
+"""
+import ctypes
+import functools
+import hashlib
+import os
+import pathlib
+import platform
+import shutil
+import subprocess
+import sys
+import tempfile
+import threading
+import warnings
+
+SOURCE = pathlib.Path(__file__).parent / "csrc" / "reference.cpp"
+FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
+COEF_NAMES = ("lam,k,bs,p_s2,p_q,p_d2,c_p2,c_qs,c_s12,c_s2,c_q,bias,lowent,directed,directed_chk,"
+              "eta_log2,eta_absolute,out,out_add,eta_acc,eta_out,ftz,w_t,w_sa,w_da,w_scale,cap")
+
+_lock = threading.Lock()
+_lib = None
+_tried = False
+
+
+def enabled():
+    return os.environ.get("ABFT_COMPILED", "1") != "0"
+
+
+def _cpu_key():
+    """What -march=native depends on: the machine and the CPU's feature flags."""
+    flags = ""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith(("flags", "Features")):
+                    flags = line
+                    break
+    except OSError:
+        pass
+    return platform.machine() + flags
+
+
+def _cache_dir():
+    root = os.environ.get("ABFT_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache"), "abft")
+    return pathlib.Path(root)
+
+
+def _build():
+    cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
+    if cxx is None:
+        raise RuntimeError("no C++ compiler found (c++, g++ or $CXX)")
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(src + " ".join([cxx] + FLAGS).encode() + _cpu_key().encode()).hexdigest()[:16]
+    out = _cache_dir() / f"reference-{key}.so"
+    if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
+        print(f"abft: compiling the reference check (once; cached in {out.parent})", file=sys.stderr, flush=True)
+        fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
+        os.close(fd)
+        try:
+            r = subprocess.run([cxx, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
+            if r.returncode != 0:
+                raise RuntimeError(f"{cxx} failed: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}")
+            os.replace(tmp, out)            # atomic: concurrent builders (ranks) each write their own
+        finally:
+            if os.path.exists(tmp):
+                os.unlink(tmp)
+    lib = ctypes.CDLL(str(out))
+    lib.abft_coef_names.restype = ctypes.c_char_p
+    if lib.abft_coef_names().decode() != COEF_NAMES:
+        raise RuntimeError("the compiled library's coefficient order differs from compiled.py's")
+    P, I = ctypes.c_void_p, ctypes.c_int64
+    lib.abft_stats.argtypes = [ctypes.c_int, P, I, P, I, I, I, I, I, P, I, P, P, I, ctypes.c_int, ctypes.c_int] + [P] * 14
+    lib.abft_stats.restype = ctypes.c_int
+    lib.abft_check.argtypes = [P, P, P, P]
+    lib.abft_check.restype = ctypes.c_int
+    return lib
+
+
+def library():
+    """The loaded library, or None (turned off, or it could not be built: warned once)."""
+    global _lib, _tried
+    if _lib is not None or _tried:
+        return _lib
+    with _lock:
+        if not _tried:
+            try:
+                _lib = _build()
+            except Exception as e:           # noqa: BLE001 (any failure: the torch check runs)
+                warnings.warn(f"abft: the compiled reference check is unavailable ({e}); "
+                              "the torch check runs instead (slower)", RuntimeWarning, stacklevel=3)
+            _tried = True
+    return _lib
+
+
+# --- the calls --------------------------------------------------------------------------------
+import math          # noqa: E402  (kept below the build code it does not concern)
+
+import torch         # noqa: E402
+
+from abft.kernels import threshold as T          # noqa: E402
+from abft.kernels.stats import OperandStats, _kept_places   # noqa: E402
+
+F64 = torch.float64
+DTYPES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 3}
+_TINY = {torch.float16: torch.finfo(torch.float16).tiny, torch.bfloat16: torch.finfo(torch.bfloat16).tiny}
+_MAX = {dt: torch.finfo(dt).max for dt in DTYPES}
+_ZERO = torch.zeros(1, dtype=torch.int64)
+_P = ctypes.c_void_p
+
+
+def usable(a, b, c, addend):
+    """Whether the compiled check can take this product: plain strided CPU tensors of one
+    supported dtype, nothing empty, outside torch.compile's tracing."""
+    if torch.compiler.is_compiling() or not enabled():
+        return False
+    for t in (a, b, c) if addend is None else (a, b, c, addend):
+        if not isinstance(t, torch.Tensor) or type(t) not in (torch.Tensor, torch.nn.Parameter) \
+                or t.device.type != "cpu" or t.layout != torch.strided or t.is_neg():
+            return False
+    if not (a.dtype == b.dtype == c.dtype and c.dtype in DTYPES) or addend is not None and not addend.is_floating_point():
+        return False
+    if c.numel() == 0 or a.shape[-1] == 0 or a.dim() < 2 or b.dim() < 2:
+        return False
+    return library() is not None
+
+
+def _offsets(x, batch):
+    """Element offsets of the (…, R, K) matrices of ``x`` (expanded to ``batch``), int64."""
+    if not batch:
+        return _ZERO
+    return _batch_offsets(tuple(batch), tuple(x.stride()[:len(batch)]))
+
+
+@functools.lru_cache(maxsize=1024)
+def _batch_offsets(batch, strides):
+    """(kept: a training step repeats its shapes) offsets of every batch index, row-major."""
+    with torch.inference_mode(False):      # made under inference_mode, it could not serve outside it
+        idx = torch.arange(math.prod(batch))
+        off = torch.zeros_like(idx)
+        for size, stride in reversed(list(zip(batch, strides))):
+            if stride and size > 1:
+                off += (idx % size) * stride
+            idx = idx // size
+        return off
+
+
+@functools.lru_cache(maxsize=1024)
+def _batch_index(bbatch, batch):
+    """For each batch index of C, the index of B's own batch (B broadcast along C's batch)."""
+    with torch.inference_mode(False):
+        if not bbatch:
+            return torch.zeros(max(1, math.prod(batch)), dtype=torch.int64)
+        ib = torch.arange(math.prod(bbatch)).view((1,) * (len(batch) - len(bbatch)) + bbatch)
+        return ib.expand(batch).reshape(-1).contiguous()
+
+
+def _ptr(t):
+    return None if t is None else t.data_ptr()
+
+
+def stats(x, bs, *, need_abs, rhs=None, rhs_idx=None):
+    """``stats.operand_stats(x, bs, need_s=True, need_abs=need_abs, rhs=rhs)``, compiled. ``rhs``:
+    (nr, S, K) with ``rhs_idx`` (int64, one per batch of x) naming each batch's."""
+    *batch, r, k = x.shape
+    batch = tuple(batch)
+    t = -(-r // bs)
+    nb = math.prod(batch)
+    f = lambda *s: torch.empty(*batch, *s, dtype=F64)
+    e, r1, rinf = torch.empty(3, *batch, r, dtype=F64).unbind(0)        # few allocations: each costs µs
+    finite, low = torch.empty(2, *batch, r, dtype=torch.bool).unbind(0)
+    E, x1, xinf, xs1, xsinf, nu = torch.empty(6, *batch, t, dtype=F64).unbind(0)
+    s = f(t, k)
+    absum = f(t, k) if need_abs else None
+    times = f(r, rhs.shape[-2]) if rhs is not None else None
+    n_places = min(k, 16)
+    places = _kept_places(k, n_places, x.device)
+    offs = _offsets(x, batch)
+    sr, sk = x.stride(-2), x.stride(-1)
+    if rhs is not None:
+        rhs = rhs.contiguous()
+        rhs_idx = rhs_idx.contiguous()
+    err = _lib.abft_stats(DTYPES[x.dtype], x.data_ptr(), nb, offs.data_ptr(), r, k, sr, sk, bs,
+                          places.data_ptr(), n_places, _ptr(rhs), _ptr(rhs_idx),
+                          0 if rhs is None else rhs.shape[-2], int(need_abs), torch.get_num_threads(),
+                          e.data_ptr(), r1.data_ptr(), rinf.data_ptr(), finite.data_ptr(), low.data_ptr(),
+                          E.data_ptr(), x1.data_ptr(), xinf.data_ptr(), xs1.data_ptr(), xsinf.data_ptr(),
+                          nu.data_ptr(), s.data_ptr(), _ptr(absum), _ptr(times))
+    if err:
+        raise RuntimeError(f"abft_stats failed ({err})")
+    return OperandStats(bs=bs, e=e, r1=r1, rinf=rinf, finite=finite, low=low, E=E, x1=x1, xinf=xinf,
+                        xs1=xs1, xsinf=xsinf, nu=nu, s=s, absum=absum, times=times)
+
+
+_coef_cache = {}
+
+
+def _packed(units, k, bs, acc, chk, lam, scaled):
+    key = (units, k, bs, acc, chk, lam, scaled)
+    p = _coef_cache.get(key)
+    if p is None:
+        c = T.coefficients(units, k=k, bs=bs, acc=acc, chk=chk, lam=lam, scaled_addend=scaled)
+        p = torch.tensor([float(getattr(c, f)) for f in COEF_NAMES.split(",")], dtype=F64)
+        if len(_coef_cache) > 4096:
+            _coef_cache.clear()
+        _coef_cache[key] = p
+    return p
+
+
+def check(a, b, c, *, bm, bn, units, acc, chk, alpha, addend, beta, lam, return_sums, b_stats):
+    """``reference.check`` compiled (its arguments and results; ``usable`` said yes). One call into
+    the library: B's statistics (unless kept), A's with the row predictions, the column
+    predictions, one pass over C, the thresholds and the tile records."""
+    m, n, k = c.shape[-2], c.shape[-1], a.shape[-1]
+    batch = tuple(c.shape[:-2])
+    nbc = math.prod(batch)
+    bm, bn = max(1, min(bm, m)), max(1, min(bn, n))
+    tm, tn = -(-m // bm), -(-n // bn)
+    cap = k <= T.SMALL_K
+    if b_stats is not None and b_stats.bs != bn:
+        raise ValueError(f"b_stats were made for blocks of {b_stats.bs} columns, not {bn}")
+    bbatch = tuple(b.shape[:-2]) if b_stats is None else tuple(b_stats.e.shape[:-1])
+    if batch:
+        a_e, b_e = a.expand(*batch, m, k), b.expand(*batch, k, n)
+        offs = [_offsets(c, batch), _offsets(a_e, batch), _offsets(b_e, batch), _offsets(b, bbatch)]
+        ib = _batch_index(bbatch, batch)
+    else:
+        offs, ib = [_ZERO] * 4, _ZERO
+    d = None
+    if addend is not None:
+        d = addend.to(F64) if beta == 1 else addend.to(F64) * float(beta)
+        d = d.expand(*batch, m, n)
+        offs.append(_offsets(d, batch) if batch else _ZERO)
+    else:
+        offs.append(None)
+    scaled = addend is not None and float(beta) != 1.0
+    coef_c = _packed(units, k, bm, acc, chk, lam, scaled)
+    coef_r = _packed(units, k, bn, acc, chk, lam, scaled)
+    places = _kept_places(k, min(k, 16), c.device)
+    verdict = torch.empty(*batch, tm, tn, 9, dtype=torch.float32)
+    det_r = torch.empty(*batch, m, tn, dtype=torch.float32)
+    det_c = torch.empty(*batch, tm, n, dtype=torch.float32)
+    res_c, thr_c = torch.empty(2, *batch, tm, n, dtype=F64).unbind(0)
+    res_r, thr_r = torch.empty(2, *batch, m, tn, dtype=F64).unbind(0)
+    if b_stats is None:
+        kept = [None] * 13
+    else:
+        s = b_stats
+        kept = [z.contiguous() for z in (s.e, s.r1, s.rinf, s.E, s.x1, s.xinf, s.xs1, s.xsinf, s.nu,
+                                         s.finite, s.low, s.s)] + [s.absum.contiguous() if cap else None]
+    keep = [*offs[:4], offs[4], ib, places, a, b, c, d, *kept, coef_c, coef_r]
+    ptrs = (_P * len(keep))(*[None if z is None else z.data_ptr() for z in keep])
+    dims = (ctypes.c_int64 * 19)(nbc, max(1, math.prod(bbatch)), m, n, k, bm, bn, c.stride(-2), c.stride(-1),
+                                 a.stride(-2), a.stride(-1), b.stride(-2), b.stride(-1),
+                                 0 if d is None else d.stride(-2), 0 if d is None else d.stride(-1),
+                                 DTYPES[c.dtype], int(cap), torch.get_num_threads(), min(k, 16))
+    scal = (ctypes.c_double * 3)(float(alpha), _TINY.get(c.dtype, 0.0), _MAX[c.dtype])
+    outs = (_P * 7)(verdict.data_ptr(), det_r.data_ptr(), det_c.data_ptr(), res_c.data_ptr(),
+                    thr_c.data_ptr(), res_r.data_ptr(), thr_r.data_ptr())
+    if _lib.abft_check(dims, ptrs, scal, outs):
+        raise RuntimeError("abft_check failed")
+    if return_sums:
+        return verdict, (det_r, det_c), dict(res_col=res_c, thr_col=thr_c, res_row=res_r, thr_row=thr_r)
+    return verdict, (det_r, det_c)

@@ -1,0 +1,948 @@
+// The reference check (kernels/reference.py) compiled: one pass over each operand and one over C,
+// reading each in its own dtype and accumulating in float64, then the thresholds and the verdict.
+// The arithmetic is reference.py's torch check (its oracle, ``check_torch``), term for term; only
+// the order of additions differs. No torch headers: built with plain g++ in a second or two and
+// called through ctypes with raw pointers (kernels/compiled.py).
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+#ifdef _OPENMP
+#include <omp.h>
+#endif
+
+typedef int64_t i64;
+
+// The order of threshold.Coefficients' fields, as compiled.py packs them (checked at load).
+extern "C" const char* abft_coef_names() {
+    return "lam,k,bs,p_s2,p_q,p_d2,c_p2,c_qs,c_s12,c_s2,c_q,bias,lowent,directed,directed_chk,"
+           "eta_log2,eta_absolute,out,out_add,eta_acc,eta_out,ftz,w_t,w_sa,w_da,w_scale,cap";
+}
+enum { LAM, KK, BS, P_S2, P_Q, P_D2, C_P2, C_QS, C_S12, C_S2, C_Q, BIAS, LOWENT, DIRECTED,
+       DIRECTED_CHK, ETA_LOG2, ETA_ABSOLUTE, OUT, OUT_ADD, ETA_ACC, ETA_OUT, FTZ, W_T, W_SA, W_DA,
+       W_SCALE, CAP, NCOEF };
+
+enum { DT_F32 = 0, DT_F64 = 1, DT_BF16 = 2, DT_F16 = 3 };
+static const double NaN = std::numeric_limits<double>::quiet_NaN();
+static const double INF = std::numeric_limits<double>::infinity();
+static const double DMAX = std::numeric_limits<double>::max();
+static const double FLOOR = 7.888609052210118e-31;      // threshold.FLOOR = 2^-100
+
+struct bf16_t { uint16_t v; };
+struct f16_t { uint16_t v; };
+
+static inline double cvt(float x) { return x; }
+static inline double cvt(double x) { return x; }
+static inline double cvt(bf16_t x) {
+    uint32_t u = (uint32_t)x.v << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+}
+static inline double cvt(f16_t x) {
+    uint32_t h = x.v, sign = (h & 0x8000u) << 16, ex = (h >> 10) & 0x1f, man = h & 0x3ff;
+    if (ex == 0x1f) {                                     // inf, NaN
+        uint32_t u = sign | 0x7f800000u | (man << 13);
+        float f;
+        std::memcpy(&f, &u, 4);
+        return f;
+    }
+    double v = ex ? std::ldexp((double)(man | 0x400), (int)ex - 25) : std::ldexp((double)man, -24);
+    return sign ? -v : v;
+}
+
+// NaN-propagating min and max (torch.minimum / amax)
+static inline double nmin(double a, double b) { return (a != a || b != b) ? NaN : (a < b ? a : b); }
+static inline double nmax(double a, double b) { return (a != a || b != b) ? NaN : (a > b ? a : b); }
+static inline bool fin(double v) { return v - v == 0; }
+
+// stats.exponents: amax = m 2^e, m in [0.5, 1), from the bits; clamped to +-1000
+static inline double expo(double amax) {
+    if (!(amax > 0) || !fin(amax)) return 0.0;
+    uint64_t u;
+    std::memcpy(&u, &amax, 8);
+    double e = (double)((i64)((u >> 52) & 0x7ff) - 1022);
+    return std::min(1000.0, std::max(-1000.0, e));
+}
+
+// 2^e for e holding an integer (exact; 0 or inf beyond the range, as exp2)
+static inline double pow2(double e) {
+    if (e >= -1022 && e <= 1023) {                 // the normal range: the bits directly
+        uint64_t u = (uint64_t)((i64)e + 1023) << 52;
+        double r;
+        std::memcpy(&r, &u, 8);
+        return r;
+    }
+    return std::ldexp(1.0, (int)std::max(-4000.0, std::min(4000.0, e)));
+}
+
+static int threads_for(int nt, double work) { return work < 3e4 ? 1 : nt; }
+
+// out[q * os] = m * sum_k v[k] rows[q * K + k] for q < n: one vector against n rows, four at a time
+static void dots(const double* v, const double* rows, i64 n, i64 K, double m, double* out, i64 os) {
+    i64 q = 0;
+    for (; q + 4 <= n; q += 4) {
+        const double *q0 = rows + q * K, *q1 = q0 + K, *q2 = q1 + K, *q3 = q2 + K;
+        double a0 = 0, a1 = 0, a2 = 0, a3 = 0;
+#pragma omp simd reduction(+ : a0, a1, a2, a3)
+        for (i64 k = 0; k < K; k++) {
+            a0 += v[k] * q0[k];
+            a1 += v[k] * q1[k];
+            a2 += v[k] * q2[k];
+            a3 += v[k] * q3[k];
+        }
+        out[q * os] = a0 * m;
+        out[(q + 1) * os] = a1 * m;
+        out[(q + 2) * os] = a2 * m;
+        out[(q + 3) * os] = a3 * m;
+    }
+    for (; q < n; q++) {
+        const double* rq = rows + q * K;
+        double a = 0;
+#pragma omp simd reduction(+ : a)
+        for (i64 k = 0; k < K; k++) a += v[k] * rq[k];
+        out[q * os] = a * m;
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// Operand statistics (stats.operand_stats) of the rows of x (R, K) with strides (sr, sk), per
+// batch (offsets offs), for blocks of bs rows; with rhs (S, K) per batch: times = (x 2^-e) rhs^T.
+// Operands other than float64 are summed as they are and scaled after (exact: float64 holds their
+// squares); float64 ones are scaled first, which needs their exponents: a first pass for those.
+struct StatsOut {
+    double *e, *r1, *rinf, *E, *x1, *xinf, *xs1, *xsinf, *nu, *s, *absum, *times;
+    uint8_t *finite, *low;
+};
+
+template <typename T>
+static void stats_block(const T* x, i64 R, i64 K, i64 sr, i64 sk, i64 bs, i64 p, const i64* places,
+                        i64 np, const double* rhs, i64 S, bool need_abs, bool pre, StatsOut o,
+                        i64 rbase, i64 tbase, double* bsum, double* bsq, double* babs, double* buf) {
+    i64 i0 = p * bs, i1 = std::min(R, i0 + bs), nr = i1 - i0;
+    bool rowmajor = !(sr == 1 && sk != 1 && R > 1);
+    // per row: max |x| and its exponent (float64 operands: before anything else)
+    std::vector<double> amax(nr, 0.0), rsq(nr, 0.0);
+    auto at = [&](i64 i, i64 k) { return cvt(x[i * sr + k * sk]); };
+    auto amax_pass = [&]() {
+        if (rowmajor) {
+            for (i64 i = i0; i < i1; i++) {
+                double m = 0.0;
+                for (i64 k = 0; k < K; k++) m = nmax(m, std::fabs(at(i, k)));
+                amax[i - i0] = m;
+            }
+        } else {
+            for (i64 k = 0; k < K; k++)
+                for (i64 i = i0; i < i1; i++) amax[i - i0] = nmax(amax[i - i0], std::fabs(at(i, k)));
+        }
+    };
+    std::vector<double> e(nr), rowsc(nr, 1.0), blksc(nr, 1.0);
+    double E = 0.0;
+    auto exps = [&]() {
+        double Em = -INF;
+        for (i64 r = 0; r < nr; r++) {
+            e[r] = expo(amax[r]);
+            if (fin(amax[r]) && amax[r] > 0) Em = std::max(Em, e[r]);
+        }
+        E = fin(Em) ? Em : 0.0;
+    };
+    if (pre) {
+        amax_pass();
+        exps();
+        for (i64 r = 0; r < nr; r++) {
+            rowsc[r] = pow2(-e[r]);
+            blksc[r] = pow2(-e[r]) * pow2(e[r] - E);
+        }
+    }
+    std::fill(bsum, bsum + K, 0.0);
+    std::fill(bsq, bsq + K, 0.0);
+    if (need_abs) std::fill(babs, babs + K, 0.0);
+    double* tm = o.times ? o.times + (rbase + i0) * S : nullptr;
+    if (tm) std::fill(tm, tm + nr * S, 0.0);
+    if (rowmajor) {
+        for (i64 i = i0; i < i1; i++) {
+            i64 r = i - i0;
+            double m = 0.0, sq = 0.0, rs = rowsc[r], bsc = blksc[r];
+            const T* xr = x + i * sr;
+            if (sk == 1) {
+                for (i64 k = 0; k < K; k++) buf[k] = cvt(xr[k]);
+            } else {
+                for (i64 k = 0; k < K; k++) buf[k] = cvt(xr[k * sk]);
+            }
+            if (!pre) {
+#pragma omp simd reduction(max : m) reduction(+ : sq)
+                for (i64 k = 0; k < K; k++) {
+                    double v = buf[k];
+                    m = std::max(m, std::fabs(v));
+                    sq += v * v;
+                    bsum[k] += v;
+                    bsq[k] += v * v;
+                }
+                if (!fin(sq)) {               // a non-finite element: its max, as torch takes it
+                    m = 0.0;
+                    for (i64 k = 0; k < K; k++) m = nmax(m, std::fabs(buf[k]));
+                }
+                amax[r] = m;
+                if (need_abs)
+                    for (i64 k = 0; k < K; k++) babs[k] += std::fabs(buf[k]);
+            } else {
+                for (i64 k = 0; k < K; k++) {
+                    double v = buf[k] * rs, vb = buf[k] * bsc;
+                    sq += v * v;
+                    bsum[k] += vb;
+                    bsq[k] += (v * v) * ((bsc / rs) * (bsc / rs));
+                    if (need_abs) babs[k] += std::fabs(vb);
+                    buf[k] = v;
+                }
+            }
+            rsq[r] = sq;
+            if (tm) dots(buf, rhs, S, K, 1.0, tm + r * S, 1);
+        }
+    } else {
+        // rows strided, K strided by sk: walk k outer, the rows of the block inner (contiguous)
+        std::vector<double> tt(tm ? nr * S : 0, 0.0);     // times, [q][r]
+        for (i64 k = 0; k < K; k++) {
+            const T* xk = x + k * sk + i0;
+            double s = 0.0, s2 = 0.0, sa = 0.0;
+            for (i64 r = 0; r < nr; r++) buf[r] = cvt(xk[r]);
+            if (!pre) {
+                double* __restrict am = amax.data();
+                double* __restrict rq = rsq.data();
+                const double* __restrict bf = buf;
+                // four lanes by hand (GCC runs its omp-simd reduction of this loop scalar)
+                double l1[4] = {0, 0, 0, 0}, l2[4] = {0, 0, 0, 0}, la[4] = {0, 0, 0, 0};
+                i64 r = 0;
+                for (; r + 4 <= nr; r += 4)
+                    for (int l = 0; l < 4; l++) {
+                        double v = bf[r + l], av = std::fabs(v);
+                        am[r + l] = am[r + l] > av ? am[r + l] : av;     // NaN dropped: fixed below
+                        rq[r + l] += v * v;
+                        l1[l] += v;
+                        l2[l] += v * v;
+                        la[l] += av;
+                    }
+                for (; r < nr; r++) {
+                    double v = bf[r], av = std::fabs(v);
+                    am[r] = am[r] > av ? am[r] : av;
+                    rq[r] += v * v;
+                    l1[0] += v;
+                    l2[0] += v * v;
+                    la[0] += av;
+                }
+                s = (l1[0] + l1[1]) + (l1[2] + l1[3]);
+                s2 = (l2[0] + l2[1]) + (l2[2] + l2[3]);
+                sa = (la[0] + la[1]) + (la[2] + la[3]);
+            } else {
+                for (i64 r = 0; r < nr; r++) {
+                    double v = buf[r] * rowsc[r], vb = buf[r] * blksc[r], f = blksc[r] / rowsc[r];
+                    rsq[r] += v * v;
+                    s += vb;
+                    s2 += (v * v) * (f * f);
+                    sa += std::fabs(vb);
+                    buf[r] = v;
+                }
+            }
+            bsum[k] = s;
+            bsq[k] = s2;
+            if (need_abs) babs[k] = sa;
+            if (tm) {
+                for (i64 q = 0; q < S; q++) {
+                    double w = rhs[q * K + k];
+                    double* tq = tt.data() + q * nr;
+                    for (i64 r = 0; r < nr; r++) tq[r] += buf[r] * w;
+                }
+            }
+        }
+        if (tm)
+            for (i64 r = 0; r < nr; r++)
+                for (i64 q = 0; q < S; q++) tm[r * S + q] = tt[q * nr + r];
+        if (!pre)
+            for (i64 r = 0; r < nr; r++)
+                if (!fin(rsq[r])) {           // a non-finite element: its max, as torch takes it
+                    double m = 0.0;
+                    for (i64 k = 0; k < K; k++) m = nmax(m, std::fabs(at(i0 + r, k)));
+                    amax[r] = m;
+                }
+    }
+    if (!pre) exps();
+    // per row
+    double bsc2 = pow2(-E);
+    for (i64 r = 0; r < nr; r++) {
+        i64 g = rbase + i0 + r;
+        double row = pre ? 1.0 : pow2(-e[r]);
+        o.e[g] = e[r];
+        o.r1[g] = rsq[r] * (row * row);
+        double sc = amax[r] * pow2(-e[r]);
+        o.rinf[g] = sc * sc;
+        o.finite[g] = fin(amax[r]);
+        if (tm && !pre)
+            for (i64 q = 0; q < S; q++) tm[r * S + q] *= row;
+    }
+    // per block
+    double blk = pre ? 1.0 : bsc2, x1 = 0.0, xinf = 0.0, xs1 = 0.0, xsinf = 0.0;
+    double* so = o.s ? o.s + (tbase + p) * K : nullptr;
+    double* ao = o.absum ? o.absum + (tbase + p) * K : nullptr;
+    for (i64 k = 0; k < K; k++) {
+        double s = bsum[k] * blk, q2 = bsq[k] * (blk * blk), s2 = s * s;
+        x1 += q2;
+        xs1 += s2;
+        xinf = k ? nmax(xinf, q2) : q2;
+        xsinf = k ? nmax(xsinf, s2) : s2;
+        if (so) so[k] = s;
+        if (ao) ao[k] = babs[k] * blk;
+    }
+    i64 t = tbase + p;
+    o.E[t] = E;
+    o.x1[t] = x1;
+    o.xinf[t] = xinf;
+    o.xs1[t] = xs1;
+    o.xsinf[t] = xsinf;
+    // nu: the largest number of rows with equal (exponent, scaled sum of squares)
+    std::vector<std::pair<double, double>> keys;
+    keys.reserve(nr);
+    for (i64 r = 0; r < nr; r++) {
+        i64 g = rbase + i0 + r;
+        if (o.finite[g] && o.r1[g] == o.r1[g]) keys.emplace_back(o.e[g], o.r1[g]);
+    }
+    std::sort(keys.begin(), keys.end());
+    i64 best = 1, run = 0;
+    for (size_t j = 0; j < keys.size(); j++) {
+        run = (j && keys[j] == keys[j - 1]) ? run + 1 : 1;
+        best = std::max(best, run);
+    }
+    o.nu[t] = (double)best;
+    // stats.low_entropy: np sampled places
+    for (i64 i = i0; i < i1; i++) {
+        i64 g = rbase + i;
+        if (K == 0) {
+            o.low[g] = 1;
+            continue;
+        }
+        // torch's formula, branch-free: same_j = how many samples equal sample j (0 for NaN),
+        // distinct = sum_j 1 / same_j, repeated = the largest same_j of a nonzero sample.
+        // Padded with NaN to 16 or 64 samples: a NaN equals nothing, so padding counts nowhere.
+        alignas(32) double v[64], same[64];
+        const i64 npad = np <= 16 ? 16 : 64;
+        for (i64 j = 0; j < npad; j++) {
+            v[j] = j < np ? at(i, places[j]) : NaN;
+            same[j] = 0.0;
+        }
+        if (npad == 16) {
+            for (int l = 0; l < 16; l++) {
+                const double vl = v[l];
+                for (int j = 0; j < 16; j++) same[j] += v[j] == vl ? 1.0 : 0.0;
+            }
+        } else {
+            for (int l = 0; l < 64; l++) {
+                const double vl = v[l];
+                for (int j = 0; j < 64; j++) same[j] += v[j] == vl ? 1.0 : 0.0;
+            }
+        }
+        double distinct = 0.0, repeated = 0.0;
+        for (i64 j = 0; j < np; j++) {
+            distinct += same[j] > 0 ? 1.0 / same[j] : INF;
+            repeated = std::max(repeated, v[j] != 0 ? same[j] : 0.0);
+        }
+        const i64 quarter = std::max<i64>(2, np / 4);
+        o.low[g] = (distinct <= quarter + 0.5) || (repeated >= quarter);
+    }
+}
+
+template <typename T>
+static void stats_t(const void* xv, i64 nb, const i64* offs, i64 R, i64 K, i64 sr, i64 sk, i64 bs,
+                    const i64* places, i64 np, const double* rhs, const i64* rhs_idx, i64 S,
+                    bool need_abs, bool pre, int nt, StatsOut o) {
+    const T* x = (const T*)xv;
+    i64 tb = (R + bs - 1) / bs, jobs = nb * tb;
+    bool rowmajor = !(sr == 1 && sk != 1 && R > 1);
+    i64 wbuf = std::max(K, rowmajor ? (i64)1 : bs);
+#pragma omp parallel num_threads(threads_for(nt, (double)nb * R * K))
+    {
+        std::vector<double> bsum(K + 1), bsq(K + 1), babs(need_abs ? K + 1 : 1), buf(wbuf + 1);
+#pragma omp for schedule(dynamic, 1)
+        for (i64 job = 0; job < jobs; job++) {
+            i64 b = job / tb, p = job % tb;
+            stats_block<T>(x + offs[b], R, K, sr, sk, bs, p, places, np,
+                           rhs ? rhs + rhs_idx[b] * S * K : nullptr, S, need_abs, pre, o, b * R, b * tb,
+                           bsum.data(), bsq.data(), babs.data(), buf.data());
+        }
+    }
+}
+
+#define DISPATCH(dt, FN, ...)                                       \
+    switch (dt) {                                                   \
+        case DT_F32: FN<float>(__VA_ARGS__); break;                 \
+        case DT_F64: FN<double>(__VA_ARGS__); break;                \
+        case DT_BF16: FN<bf16_t>(__VA_ARGS__); break;               \
+        case DT_F16: FN<f16_t>(__VA_ARGS__); break;                 \
+        default: return 1;                                          \
+    }
+
+extern "C" int abft_stats(int dt, const void* x, i64 nb, const i64* offs, i64 R, i64 K, i64 sr,
+                          i64 sk, i64 bs, const i64* places, i64 np, const double* rhs,
+                          const i64* rhs_idx, i64 S, int need_abs, int nt, double* e, double* r1,
+                          double* rinf, uint8_t* finite, uint8_t* low, double* E, double* x1,
+                          double* xinf, double* xs1, double* xsinf, double* nu, double* s,
+                          double* absum, double* times) {
+    if (np > 64) return 2;
+    StatsOut o{e, r1, rinf, E, x1, xinf, xs1, xsinf, nu, s, absum, times, finite, low};
+    bool pre = dt == DT_F64;
+    DISPATCH(dt, stats_t, x, nb, offs, R, K, sr, sk, bs, places, np, rhs, rhs_idx, S, need_abs != 0,
+             pre, nt, o);
+    return 0;
+}
+
+// ---------------------------------------------------------------------------------------------
+// The thin product out (TM, N) = s (TM, K) @ (|b| if absb else b) (K, N), each column times
+// 2^-f_j (float64 operands: b scaled before the product, else the result after).
+template <typename T>
+static void thin_t(const T* b, i64 K, i64 N, i64 sk, i64 sn, const double* s, i64 TM, const double* f,
+                   bool absb, bool pre, int nt, double* out) {
+    if (sn == 1 || sk != 1) {
+        // rows of b contiguous (or neither): out[:, strip] += s[:, k] * b[k, strip]
+        i64 W = std::max<i64>(16, std::min<i64>(512, (1 << 11) / std::max<i64>(TM, 1)));
+        i64 strips = (N + W - 1) / W;
+#pragma omp parallel num_threads(threads_for(nt, (double)TM * K * N))
+        {
+            std::vector<double> row(4 * W), sc(W);
+#pragma omp for schedule(static)
+            for (i64 st = 0; st < strips; st++) {
+                i64 j0 = st * W, w = std::min(W, N - j0);
+                for (i64 j = 0; j < w; j++) sc[j] = pow2(-f[j0 + j]);
+                for (i64 p = 0; p < TM; p++) std::fill(out + p * N + j0, out + p * N + j0 + w, 0.0);
+                // four rows of b at a time: four products added per load and store of out
+                for (i64 k0 = 0; k0 < K; k0 += 4) {
+                    i64 kn = std::min<i64>(4, K - k0);
+                    for (i64 kk = 0; kk < 4; kk++) {
+                        double* rw = row.data() + kk * W;
+                        if (kk >= kn) {
+                            std::fill(rw, rw + w, 0.0);
+                            continue;
+                        }
+                        const T* bk = b + (k0 + kk) * sk + j0 * sn;
+                        for (i64 j = 0; j < w; j++) {
+                            double v = cvt(bk[j * sn]);
+                            if (absb) v = std::fabs(v);
+                            rw[j] = pre ? v * sc[j] : v;
+                        }
+                    }
+                    const double *r0 = row.data(), *r1 = r0 + W, *r2 = r1 + W, *r3 = r2 + W;
+                    for (i64 p = 0; p < TM; p++) {
+                        const double* sp = s + p * K + k0;
+                        double a0 = sp[0], a1 = kn > 1 ? sp[1] : 0, a2 = kn > 2 ? sp[2] : 0, a3 = kn > 3 ? sp[3] : 0;
+                        double* op = out + p * N + j0;
+#pragma omp simd
+                        for (i64 j = 0; j < w; j++) op[j] += (a0 * r0[j] + a1 * r1[j]) + (a2 * r2[j] + a3 * r3[j]);
+                    }
+                }
+                if (!pre)
+                    for (i64 p = 0; p < TM; p++)
+                        for (i64 j = 0; j < w; j++) out[p * N + j0 + j] *= sc[j];
+            }
+        }
+    } else {
+        // columns of b contiguous: dot products over k
+#pragma omp parallel num_threads(threads_for(nt, (double)TM * K * N))
+        {
+            std::vector<double> col(K + 1);
+#pragma omp for schedule(static)
+            for (i64 j = 0; j < N; j++) {
+                const T* bj = b + j * sn;
+                double sc = pow2(-f[j]);
+                if (absb || pre) {
+                    for (i64 k = 0; k < K; k++) {
+                        double v = cvt(bj[k]);
+                        if (absb) v = std::fabs(v);
+                        col[k] = pre ? v * sc : v;
+                    }
+                } else {
+                    for (i64 k = 0; k < K; k++) col[k] = cvt(bj[k]);
+                }
+                dots(col.data(), s, TM, K, pre ? 1.0 : sc, out + j, N);
+            }
+        }
+    }
+}
+
+// ---------------------------------------------------------------------------------------------
+// The threshold of one checked sum (threshold.threshold, term for term).
+static double threshold(const double* c, double s1, double s2, double sa, double pred, double x1,
+                        double xinf, double xs1, double xsinf, double y1, double yinf, double nu,
+                        bool low, double ex, double ey, bool has_d, double d2, double da, bool has_t,
+                        double t, double nout) {
+    double q = nmin(x1 * yinf, xinf * y1), qs = nmin(xs1 * yinf, xsinf * y1);
+    double prod = c[P_S2] * s2 + c[P_Q] * q;
+    if (has_d) prod += c[P_D2] * d2;
+    double pp = pred * pred, ss = s1 * s1;
+    double check = c[C_P2] * (pp > DMAX ? DMAX : pp) + c[C_QS] * qs + c[C_S12] * (ss > DMAX ? DMAX : ss) +
+                   c[C_S2] * s2 + c[C_Q] * q;
+    // a skipped term (coefficient 0) adds nothing where its operands are finite, NaN where not
+    bool skipped_bad = false;
+    auto skip = [&](double v) { skipped_bad |= !fin(v); };
+    if (c[ETA_LOG2] > -1000.0 || c[ETA_ABSOLUTE] != 0) {
+        double eta = std::exp2(std::max(c[ETA_LOG2] - c[ETA_ABSOLUTE] * ex, -1000.0));
+        check += eta * eta / 3 * y1;
+    } else {
+        skip(y1);
+    }
+    double ap = std::fabs(pred);
+    double thr = c[LAM] * std::sqrt(nu * prod + check) + c[BIAS] * ap;
+    if (c[DIRECTED] != 0) {
+        thr += c[DIRECTED] * (0.5 * ap + std::sqrt(q / 3));
+    } else {
+        skip(ap);
+        skip(q);
+    }
+    if (c[DIRECTED_CHK] != 0) {
+        thr += c[DIRECTED_CHK] * (0.5 * ap + std::sqrt(qs / 3));
+    } else {
+        skip(ap);
+        skip(qs);
+    }
+    thr += low ? c[LOWENT] * sa : 0.0;
+    if (c[OUT] != 0) thr += c[OUT] * sa;
+    else skip(sa);
+    if (skipped_bad) thr = NaN;
+    if (c[OUT_ADD] != 0 && has_d) thr += c[OUT_ADD] * da;
+    double e = std::min(900.0, std::max(-1000.0, -(ex + ey)));
+    double uf = (c[BS] * c[KK] * c[ETA_ACC] + nout * c[ETA_OUT]) * pow2(e);
+    if (c[FTZ] != 0)
+        uf += c[FTZ] * (c[BS] * pow2(-ex) * std::sqrt(c[KK] * y1) +
+                        pow2(-ey) * std::sqrt(c[BS] * c[KK] * x1));
+    thr += uf;
+    if (c[CAP] != 0 && has_t) {
+        double w = c[W_T] * t + c[W_SA] * sa + uf;
+        if (has_d) w += (c[W_DA] + c[OUT_ADD]) * da;
+        thr = nmin(thr, w * c[W_SCALE]);
+    }
+    return thr < FLOOR ? FLOOR : thr;
+}
+
+// One side's statistics, per row (y) and per block (x), as pointers into stats buffers.
+struct Side {
+    const double *e, *r1, *rinf, *E, *x1, *xinf, *xs1, *xsinf, *nu;
+    const uint8_t *finite, *low;
+};
+
+// Output sums of one element z (already scaled where pre): value, square, magnitude, non-finite
+// count, count below the half type's normal range.
+struct Acc { double s1 = 0, s2 = 0, sa = 0, nf = 0, ns = 0; };
+static inline void add(Acc& a, double z, double tiny) {
+    if (!fin(z)) {
+        a.nf += 1;
+        a.ns += tiny > 0;
+        return;
+    }
+    double zz = z * z;
+    a.s1 += z;
+    a.s2 += zz > DMAX ? DMAX : zz;
+    a.sa += std::fabs(z);
+    a.ns += std::fabs(z) < tiny;
+}
+
+// Statistics kept in the library's own memory (A's always, B's unless the caller kept them).
+struct StatsBuf {
+    std::vector<double> e, r1, rinf, E, x1, xinf, xs1, xsinf, nu, s, absum, times;
+    std::vector<uint8_t> finite, low;
+    StatsOut out(i64 nb, i64 R, i64 T, i64 K, bool need_abs, i64 S) {
+        for (auto* v : {&e, &r1, &rinf}) v->resize(nb * R);
+        for (auto* v : {&E, &x1, &xinf, &xs1, &xsinf, &nu}) v->resize(nb * T);
+        finite.resize(nb * R);
+        low.resize(nb * R);
+        s.resize(nb * T * K);
+        absum.resize(need_abs ? nb * T * K : 0);
+        times.resize(S ? nb * R * S : 0);
+        return StatsOut{e.data(), r1.data(), rinf.data(), E.data(), x1.data(), xinf.data(), xs1.data(),
+                        xsinf.data(), nu.data(), s.data(), need_abs ? absum.data() : nullptr,
+                        S ? times.data() : nullptr, finite.data(), low.data()};
+    }
+};
+
+static Side side_of(const StatsOut& o) {
+    return Side{o.e, o.r1, o.rinf, o.E, o.x1, o.xinf, o.xs1, o.xsinf, o.nu, o.finite, o.low};
+}
+
+struct CheckArgs {
+    i64 nbc, nbb, M, N, K, bm, bn, scm, scn, sam, sak, sbk, sbn, sdm, sdn;
+    const i64 *offc, *offa, *offb, *offbb, *offd, *ib, *places;
+    i64 np;
+    const void *a, *b, *c;
+    const double* d;                 // the addend, float64, times beta (null: none)
+    Side A, B;                       // A's stats per c-batch, B's per b-batch (ib)
+    const double *times, *sA, *absA, *absB, *sB;   // (nbc, M, TN), (nbc, TM, K) x 2, (nbb, TN, K) x 2
+    const double *coef_c, *coef_r;
+    double alpha, tiny, dtmax;
+    int dt, cap, nt;
+    float* verdict;
+    float *detail_r, *detail_c;
+    double *res_c, *thr_c, *res_r, *thr_r;
+};
+
+template <typename T>
+static void check_t(CheckArgs g) {
+    const i64 M = g.M, N = g.N, K = g.K, bm = g.bm, bn = g.bn;
+    const i64 TM = (M + bm - 1) / bm, TN = (N + bn - 1) / bn;
+    // B's statistics (the columns of B: rows of B^T), unless kept; then A's with the row predictions
+    StatsBuf bs_, as_;
+    if (g.B.e == nullptr) {
+        StatsOut o = bs_.out(g.nbb, N, TN, K, g.cap != 0, 0);
+        stats_t<T>(g.b, g.nbb, g.offbb, N, K, g.sbn, g.sbk, bn, g.places, g.np, nullptr, nullptr, 0,
+                   g.cap != 0, g.dt == DT_F64, g.nt, o);
+        g.B = side_of(o);
+        g.absB = o.absum;
+        g.sB = o.s;
+    }
+    {
+        StatsOut o = as_.out(g.nbc, M, TM, K, g.cap != 0, TN);
+        stats_t<T>(g.a, g.nbc, g.offa, M, K, g.sam, g.sak, bm, g.places, g.np, g.sB, g.ib, TN,
+                   g.cap != 0, g.dt == DT_F64, g.nt, o);
+        g.A = side_of(o);
+        g.times = o.times;
+        g.sA = o.s;
+        g.absA = o.absum;
+    }
+    const bool pre = g.dt == DT_F64, has_d = g.d != nullptr;
+    const double alpha = g.alpha, a2 = alpha * alpha, aabs = std::fabs(alpha);
+    const i64 nz = has_d ? 10 : 5;
+    // per c-batch buffers: predicted column sums, worst-case products, output sums
+    std::vector<double> predc(g.nbc * TM * N), tcol(g.cap ? g.nbc * TM * N : 0),
+        trow(g.cap ? g.nbc * M * TN : 0), colz(g.nbc * TM * N * nz), rowz(g.nbc * M * TN * nz);
+    std::vector<uint8_t> anynf(g.nbc * TM, 0);
+    // the thin products: across batches when there are several, else within the one
+    // (no nested parallel regions: libgomp would start a fresh team of threads for each)
+    auto thin_products = [&](i64 b, int nt) {
+        i64 bb = g.ib[b];
+        const double* fB = g.B.e + bb * N;
+        thin_t<T>((const T*)g.b + g.offb[b], K, N, g.sbk, g.sbn, g.sA + b * TM * K, TM, fB, false, pre,
+                  nt, predc.data() + b * TM * N);
+        if (g.cap) {
+            thin_t<T>((const T*)g.b + g.offb[b], K, N, g.sbk, g.sbn, g.absA + b * TM * K, TM, fB, true,
+                      pre, nt, tcol.data() + b * TM * N);
+            // t_row: (|a| 2^-e) @ absum_B^T, rows of A: (M, TN)
+            const T* a = (const T*)g.a + g.offa[b];
+            const double* eA = g.A.e + b * M;
+            const double* aB = g.absB + bb * TN * K;
+            std::vector<double> row(K);
+            for (i64 i = 0; i < M; i++) {
+                const double sc = pow2(-eA[i]);
+                for (i64 k = 0; k < K; k++) {
+                    double v = std::fabs(cvt(a[i * g.sam + k * g.sak]));
+                    row[k] = pre ? v * sc : v;
+                }
+                dots(row.data(), aB, TN, K, pre ? 1.0 : sc, &trow[(b * M + i) * TN], 1);
+            }
+        }
+    };
+    if (g.nbc > 1) {
+#pragma omp parallel for schedule(dynamic, 1) num_threads(threads_for(g.nt, (double)g.nbc * TM * K * N))
+        for (i64 b = 0; b < g.nbc; b++) thin_products(b, 1);
+    } else {
+        thin_products(0, g.nt);
+    }
+    // one pass over C (and the addend), tile by tile: column sums per block of rows, row sums per
+    // block of columns. A tile row whose sums are finite takes the vectorised path; one with a
+    // non-finite element (or an overflowing square) is summed again element by element,
+    // non-finite values counted, not added.
+    const i64 jobs = g.nbc * TM;
+#pragma omp parallel num_threads(threads_for(g.nt, (double)g.nbc * M * N))
+    {
+        // one tile's column accumulators, one array per sum (C's five, then the addend's five)
+        std::vector<double> cz(bn * nz), scol(bn), seg(bn), zc(bn), zr(bn);
+#pragma omp for schedule(dynamic, 1)
+        for (i64 job = 0; job < jobs; job++) {
+            i64 b = job / TM, p = job % TM, bb = g.ib[b];
+            const T* c = (const T*)g.c + g.offc[b];
+            const double* d = has_d ? g.d + g.offd[b] : nullptr;
+            const double *eA = g.A.e + b * M, *EA = g.A.E + b * TM, *fB = g.B.e + bb * N, *FB = g.B.E + bb * TN;
+            const i64 i0 = p * bm, i1 = std::min(M, i0 + bm);
+            for (i64 q = 0; q < TN; q++) {
+                const i64 j0 = q * bn, w = std::min(N, j0 + bn) - j0;
+                std::fill(cz.begin(), cz.end(), 0.0);
+                for (i64 j = 0; j < w; j++) scol[j] = pow2(-(EA[p] + fB[j0 + j]));
+                const double srow = pow2(-FB[q]);
+                for (i64 i = i0; i < i1; i++) {
+                    const double ei = pow2(-eA[i]), sr = ei * srow;
+                    for (int src = 0; src < (has_d ? 2 : 1); src++) {
+                        if (src == 0) {
+                            const T* ci = c + i * g.scm + j0 * g.scn;
+                            if (g.scn == 1) {
+                                for (i64 j = 0; j < w; j++) seg[j] = cvt(ci[j]);
+                            } else {
+                                for (i64 j = 0; j < w; j++) seg[j] = cvt(ci[j * g.scn]);
+                            }
+                        } else {
+                            const double* di = d + i * g.sdm + j0 * g.sdn;
+                            for (i64 j = 0; j < w; j++) seg[j] = di[j * g.sdn];
+                        }
+                        const double tiny = src ? 0.0 : g.tiny;
+                        double* z0 = cz.data() + src * 5 * bn;
+                        // the values as each side sums them (float64: scaled first)
+                        const double *vc = seg.data(), *vr = seg.data();
+                        if (pre) {
+                            for (i64 j = 0; j < w; j++) {
+                                zc[j] = seg[j] * scol[j];
+                                zr[j] = seg[j] * sr;
+                            }
+                            vc = zc.data();
+                            vr = zr.data();
+                        }
+                        double s1 = 0, s2 = 0, sa = 0, ns = 0, nf = 0;
+#pragma omp simd reduction(+ : s1, s2, sa)
+                        for (i64 j = 0; j < w; j++) {
+                            double x = vr[j];
+                            s1 += x;
+                            s2 += x * x;
+                            sa += std::fabs(x);
+                        }
+                        if (tiny > 0) {
+#pragma omp simd reduction(+ : ns)
+                            for (i64 j = 0; j < w; j++) ns += std::fabs(vr[j]) < tiny ? 1.0 : 0.0;
+                        }
+                        double *c1 = z0, *c2 = z0 + bn, *ca = z0 + 2 * bn, *cn = z0 + 3 * bn, *cs = z0 + 4 * bn;
+                        if (fin(s2) && fin(s1)) {
+#pragma omp simd
+                            for (i64 j = 0; j < w; j++) {
+                                double x = vc[j], xx = x * x;
+                                c1[j] += x;
+                                c2[j] += xx > DMAX ? DMAX : xx;
+                                ca[j] += std::fabs(x);
+                            }
+                            if (tiny > 0) {
+#pragma omp simd
+                                for (i64 j = 0; j < w; j++) cs[j] += std::fabs(vc[j]) < tiny ? 1.0 : 0.0;
+                            }
+                        } else {                          // exactly, element by element
+                            Acc r;
+                            for (i64 j = 0; j < w; j++) {
+                                add(r, vr[j], tiny);
+                                Acc a;
+                                add(a, vc[j], tiny);
+                                c1[j] += a.s1; c2[j] += a.s2; ca[j] += a.sa; cn[j] += a.nf; cs[j] += a.ns;
+                            }
+                            s1 = r.s1; s2 = r.s2; sa = r.sa; nf = r.nf; ns = r.ns;
+                            if (nf > 0 && src == 0) anynf[job] = 1;
+                        }
+                        double f = pre ? 1.0 : sr;
+                        double* z = &rowz[((b * M + i) * TN + q) * nz + src * 5];
+                        z[0] = s1 * f; z[1] = s2 * (f * f); z[2] = sa * f; z[3] = nf; z[4] = ns;
+                    }
+                }
+                for (i64 src = 0; src < (has_d ? 2 : 1); src++) {
+                    const double* z0 = cz.data() + src * 5 * bn;
+                    for (i64 j = 0; j < w; j++) {
+                        double f = pre ? 1.0 : scol[j];
+                        double* z = &colz[((b * TM + p) * N + j0 + j) * nz + src * 5];
+                        z[0] = z0[j] * f; z[1] = z0[bn + j] * (f * f); z[2] = z0[2 * bn + j] * f;
+                        z[3] = z0[3 * bn + j]; z[4] = z0[4 * bn + j];
+                    }
+                }
+            }
+        }
+    }
+    // B's blocks that hold a low-entropy column
+    const i64 nbb = g.nbb;
+    std::vector<uint8_t> blowq(nbb * TN, 0);
+    for (i64 bb = 0; bb < nbb; bb++)
+        for (i64 q = 0; q < TN; q++)
+            for (i64 j = q * bn; j < std::min(N, (q + 1) * bn); j++) blowq[bb * TN + q] |= g.B.low[bb * N + j];
+    bool any_nf = false;
+    for (auto v : anynf) any_nf |= v != 0;
+    const bool half = g.tiny > 0;
+    // thresholds, ratios and the tile records
+#pragma omp parallel num_threads(threads_for(g.nt, (double)g.nbc * (M * TN + TM * N) * 20))
+    {
+        std::vector<double> rc(bn), rr(bm), resc(bn), thrc(bn), resr(bm), thrr(bm), pk(bm + 1);
+#pragma omp for schedule(dynamic, 1)
+        for (i64 job = 0; job < jobs; job++) {
+            i64 b = job / TM, p = job % TM, bb = g.ib[b];
+            const i64 i0 = p * bm, i1 = std::min(M, i0 + bm);
+            // A's block p and rows; B's columns and blocks
+            const double *eA = g.A.e + b * M, *EA = g.A.E + b * TM, *fB = g.B.e + bb * N, *FB = g.B.E + bb * TN;
+            bool a_fin = true, a_low = false;
+            for (i64 i = i0; i < i1; i++) {
+                a_fin &= g.A.finite[b * M + i] != 0;
+                a_low |= g.A.low[b * M + i] != 0;
+            }
+            const i64 pa = b * TM + p;
+            // column sums of block p (all columns)
+            double* rcp = g.res_c + (b * TM + p) * N;
+            double* tcp = g.thr_c + (b * TM + p) * N;
+            for (i64 j = 0; j < N; j++) {
+                const double* z = &colz[((b * TM + p) * N + j) * nz];
+                double pred = predc[(b * TM + p) * N + j], t = g.cap ? tcol[(b * TM + p) * N + j] : 0;
+                if (alpha != 1) { pred *= alpha; t *= aabs; }
+                double res = has_d ? z[0] - pred - z[5] : z[0] - pred;
+                bool low = a_low && g.B.low[bb * N + j];
+                double thr = threshold(g.coef_c, z[0], z[1], z[2], pred, g.A.x1[pa] * a2, g.A.xinf[pa] * a2,
+                                       g.A.xs1[pa] * a2, g.A.xsinf[pa] * a2, g.B.r1[bb * N + j],
+                                       g.B.rinf[bb * N + j], g.A.nu[pa], low, EA[p], fB[j], has_d,
+                                       has_d ? z[6] : 0, has_d ? z[7] : 0, g.cap != 0, t,
+                                       half ? z[4] : g.coef_c[BS]);
+                rcp[j] = res;
+                tcp[j] = thr;
+            }
+            // row sums of the rows of block p (all column blocks)
+            for (i64 i = i0; i < i1; i++) {
+                for (i64 q = 0; q < TN; q++) {
+                    const double* z = &rowz[((b * M + i) * TN + q) * nz];
+                    const i64 qb = bb * TN + q;
+                    double pred = g.times[(b * M + i) * TN + q], t = g.cap ? trow[(b * M + i) * TN + q] : 0;
+                    if (alpha != 1) { pred *= alpha; t *= aabs; }
+                    double res = has_d ? z[0] - pred - z[5] : z[0] - pred;
+                    bool low = blowq[bb * TN + q] && g.A.low[b * M + i];
+                    double thr = threshold(g.coef_r, z[0], z[1], z[2], pred, g.B.x1[qb] * a2, g.B.xinf[qb] * a2,
+                                           g.B.xs1[qb] * a2, g.B.xsinf[qb] * a2, g.A.r1[b * M + i],
+                                           g.A.rinf[b * M + i], g.B.nu[qb], low, FB[q], eA[i], has_d,
+                                           has_d ? z[6] : 0, has_d ? z[7] : 0, g.cap != 0, t,
+                                           half ? z[4] : g.coef_r[BS]);
+                    g.res_r[(b * M + i) * TN + q] = res;
+                    g.thr_r[(b * M + i) * TN + q] = thr;
+                }
+            }
+            // row norms of A's block (the overflow bound)
+            double pa_max = 0;
+            for (i64 i = i0; i < i1; i++)
+                pa_max = nmax(pa_max, std::sqrt(g.A.r1[b * M + i]) * pow2(eA[i]));
+            for (i64 q = 0; q < TN; q++) {
+                const i64 j0 = q * bn, j1 = std::min(N, j0 + bn);
+                bool b_fin = true;
+                for (i64 j = j0; j < j1; j++) b_fin &= g.B.finite[bb * N + j] != 0;
+                bool inputs_ok = a_fin && b_fin, thr_ok = true, c_bad = false, fault = false;
+                double pkb = 0, dmax = 0;
+                for (i64 j = j0; j < j1; j++) {
+                    const double* z = &colz[((b * TM + p) * N + j) * nz];
+                    if (has_d && z[8] != 0) inputs_ok = false;
+                    thr_ok &= fin(tcp[j]);
+                    c_bad |= z[3] > 0;
+                    pkb = nmax(pkb, std::sqrt(g.B.r1[bb * N + j]) * pow2(fB[j]));
+                    if (any_nf && z[3] == 1) {
+                        double lim = g.dtmax * pow2(-(EA[p] + fB[j]));
+                        fault |= std::fabs(rcp[j]) + tcp[j] < lim;
+                    }
+                }
+                for (i64 i = i0; i < i1; i++) {
+                    const double* z = &rowz[((b * M + i) * TN + q) * nz];
+                    double thr = g.thr_r[(b * M + i) * TN + q];
+                    thr_ok &= fin(thr);
+                    c_bad |= z[3] > 0;
+                    if (any_nf && z[3] == 1) {
+                        double lim = g.dtmax * pow2(-(eA[i] + FB[q]));
+                        fault |= std::fabs(g.res_r[(b * M + i) * TN + q]) + thr < lim;
+                    }
+                }
+                double status = (inputs_ok && thr_ok) ? 0.0 : 1.0;
+                if (any_nf && c_bad) {
+                    double peak = pa_max * pkb * aabs;
+                    if (has_d) {
+                        const double* d = g.d + g.offd[b];
+                        for (i64 i = i0; i < i1; i++)
+                            for (i64 j = j0; j < j1; j++) dmax = nmax(dmax, std::fabs(d[i * g.sdm + j * g.sdn]));
+                        peak = peak + dmax;
+                    }
+                    fault |= peak < g.dtmax;
+                    status = (inputs_ok && fault) ? 2.0 : 1.0;
+                }
+                const bool keep = status != 1.0;
+                // column sums of the tile
+                double cw = 0, cf = 0, cidx = -1, cres = 0, cthr = 1;
+                i64 arg = 0;
+                for (i64 j = j0; j < j0 + bn; j++) {
+                    double r = 0, rs = 0, th = 1;
+                    if (j < j1) {
+                        const double* z = &colz[((b * TM + p) * N + j) * nz];
+                        double sc = pow2(EA[p] + fB[j]);
+                        r = rcp[j] / tcp[j];
+                        if (z[3] > 0) r = INF;
+                        if (r != r) r = INF;
+                        if (!keep) r = 0;
+                        rs = rcp[j] * sc;
+                        th = tcp[j] * sc;
+                        g.detail_c[(b * TM + p) * N + j] = (float)r;
+                    }
+                    double m = std::fabs(r);
+                    if (j == j0 || m > cw) { cw = m; arg = j; cres = rs; cthr = th; }
+                    cf += m > 1;
+                }
+                if (cf > 0) cidx = (double)arg;
+                // row sums of the tile
+                double rw = 0, rf = 0, ridx = -1, rres = 0, rthr = 1;
+                for (i64 i = i0; i < i0 + bm; i++) {
+                    double r = 0, rs = 0, th = 1;
+                    if (i < i1) {
+                        const i64 o = (b * M + i) * TN + q;
+                        double sc = pow2(eA[i] + FB[q]);
+                        r = g.res_r[o] / g.thr_r[o];
+                        if (rowz[o * nz + 3] > 0) r = INF;
+                        if (r != r) r = INF;
+                        if (!keep) r = 0;
+                        rs = g.res_r[o] * sc;
+                        th = g.thr_r[o] * sc;
+                        g.detail_r[o] = (float)r;
+                    }
+                    double m = std::fabs(r);
+                    if (i == i0 || m > rw) { rw = m; arg = i; rres = rs; rthr = th; }
+                    rf += m > 1;
+                }
+                if (rf > 0) ridx = (double)arg;
+                float* v = g.verdict + ((b * TM + p) * TN + q) * 9;
+                bool use_col = cf > 0;
+                v[0] = (float)rw; v[1] = (float)rf; v[2] = (float)ridx;
+                v[3] = (float)cw; v[4] = (float)cf; v[5] = (float)cidx;
+                v[6] = (float)(use_col ? cres : rres);
+                v[7] = (float)(use_col ? cthr : rthr);
+                v[8] = (float)status;
+            }
+        }
+    }
+    // residuals and thresholds in C's units
+#pragma omp parallel for num_threads(threads_for(g.nt, (double)jobs * N))
+    for (i64 job = 0; job < jobs; job++) {
+        i64 b = job / TM, p = job % TM, bb = g.ib[b];
+        const double *eA = g.A.e + b * M, *EA = g.A.E + b * TM, *fB = g.B.e + bb * N, *FB = g.B.E + bb * TN;
+        for (i64 j = 0; j < N; j++) {
+            double sc = pow2(EA[p] + fB[j]);
+            g.res_c[job * N + j] *= sc;
+            g.thr_c[job * N + j] *= sc;
+        }
+        for (i64 i = p * bm; i < std::min(M, (p + 1) * bm); i++)
+            for (i64 q = 0; q < TN; q++) {
+                double sc = pow2(eA[i] + FB[q]);
+                g.res_r[(b * M + i) * TN + q] *= sc;
+                g.thr_r[(b * M + i) * TN + q] *= sc;
+            }
+    }
+}
+
+// dims: nbc, nbb, M, N, K, bm, bn, strides of C (m, n), A (m, k), B (k, n), the addend (m, n), dtype,
+// cap, threads, number of sampled places. ptrs: offsets of C, A, B per c-batch, of B per b-batch,
+// of the addend; ib; places; a, b, c, addend; B's kept statistics (11 fields, then s and absum;
+// all null: computed here); coefficients (col, row). scal: alpha, the half type's smallest normal
+// (0: not a half type), the dtype's largest value. outs: verdict, row and column ratios, then the
+// residuals and thresholds of the column and the row sums.
+extern "C" int abft_check(const i64* dims, const void* const* ptrs, const double* scal, void* const* outs) {
+    CheckArgs g;
+    g.nbc = dims[0]; g.nbb = dims[1]; g.M = dims[2]; g.N = dims[3]; g.K = dims[4]; g.bm = dims[5]; g.bn = dims[6];
+    g.scm = dims[7]; g.scn = dims[8]; g.sam = dims[9]; g.sak = dims[10]; g.sbk = dims[11]; g.sbn = dims[12];
+    g.sdm = dims[13]; g.sdn = dims[14]; g.dt = (int)dims[15]; g.cap = (int)dims[16]; g.nt = (int)dims[17];
+    g.np = dims[18];
+    if (g.np > 64) return 2;
+    int i = 0;
+    g.offc = (const i64*)ptrs[i++]; g.offa = (const i64*)ptrs[i++]; g.offb = (const i64*)ptrs[i++];
+    g.offbb = (const i64*)ptrs[i++]; g.offd = (const i64*)ptrs[i++]; g.ib = (const i64*)ptrs[i++];
+    g.places = (const i64*)ptrs[i++];
+    g.a = ptrs[i++]; g.b = ptrs[i++]; g.c = ptrs[i++]; g.d = (const double*)ptrs[i++];
+    Side* s = &g.B;
+    s->e = (const double*)ptrs[i++]; s->r1 = (const double*)ptrs[i++]; s->rinf = (const double*)ptrs[i++];
+    s->E = (const double*)ptrs[i++]; s->x1 = (const double*)ptrs[i++]; s->xinf = (const double*)ptrs[i++];
+    s->xs1 = (const double*)ptrs[i++]; s->xsinf = (const double*)ptrs[i++]; s->nu = (const double*)ptrs[i++];
+    s->finite = (const uint8_t*)ptrs[i++]; s->low = (const uint8_t*)ptrs[i++];
+    g.sB = (const double*)ptrs[i++]; g.absB = (const double*)ptrs[i++];
+    g.coef_c = (const double*)ptrs[i++]; g.coef_r = (const double*)ptrs[i++];
+    g.alpha = scal[0]; g.tiny = scal[1]; g.dtmax = scal[2];
+    g.verdict = (float*)outs[0]; g.detail_r = (float*)outs[1]; g.detail_c = (float*)outs[2];
+    g.res_c = (double*)outs[3]; g.thr_c = (double*)outs[4]; g.res_r = (double*)outs[5]; g.thr_r = (double*)outs[6];
+    DISPATCH(g.dt, check_t, g);
+    return 0;
+}

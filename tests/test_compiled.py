@@ -1,0 +1,264 @@
+"""The compiled reference check (kernels/csrc/reference.cpp) against its oracle, the torch check
+(``reference.check_torch``): the same verdicts on the special cases, the stress set and scaled
+data; every threshold coefficient wired (a mutated one shows); the fallback when it cannot build."""
+import dataclasses
+import pathlib
+import sys
+
+import pytest
+import torch
+
+from abft.kernels import compiled, reference
+from abft.kernels import layout as L
+from abft.kernels import threshold as T
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+from fixedcost import cases  # noqa: E402
+
+pytestmark = pytest.mark.skipif(compiled.library() is None, reason="no compiled reference check here")
+
+EXACT = [L.ROW_FAILS, L.ROW, L.COL_FAILS, L.COL, L.STATUS]
+
+
+def _finite_equal(x, y):
+    fx, fy = torch.isfinite(x), torch.isfinite(y)
+    return torch.equal(fx, fy) and torch.equal(torch.nan_to_num(x[~fx], 7.0, 8.0, 9.0),
+                                               torch.nan_to_num(y[~fy], 7.0, 8.0, 9.0))
+
+
+def nu_differs(a, b, bm, bn, c):
+    """Bool masks of the column sums (TM, N) and row sums (M, TN) whose block's ``nu`` differs
+    between the two statistics: rows equal up to order whose sums of squares round alike in one
+    summation order and not in the other (2-D operands; None for batched ones)."""
+    if a.dim() != 2 or b.dim() != 2:
+        return None
+    from abft.kernels.stats import operand_stats
+    m, n = c.shape
+    bm, bn = max(1, min(bm, m)), max(1, min(bn, n))
+    na = operand_stats(a, bm, need_s=True).nu != compiled.stats(a, bm, need_abs=False).nu
+    nb = operand_stats(b.mT, bn, need_s=True).nu != compiled.stats(b.mT, bn, need_abs=False).nu
+    return na.unsqueeze(-1).expand(-1, n), nb.unsqueeze(0).expand(m, -1)
+
+
+def differences(got, want, f64=False, loose=None):
+    """What differs between two checks' (verdict, detail, sums), beyond float64 rounding of the same
+    formula: alarms, counts, locations and status exactly; thresholds to 1e-9; ratios to 1e-6
+    (their residuals are differences of float64 sums, rounded in another order). Float64 products:
+    ratios to 1 (that other order is the product's own rounding, which the threshold bounds).
+    ``loose``: the sums whose block's ``nu`` differs (a row repeated up to order, summed in another
+    order, may or may not count): their thresholds may differ by sqrt(nu), and the ratios by 1."""
+    (v1, d1, s1), (v0, d0, s0) = got, want
+    out = []
+    if not torch.equal(v1[..., EXACT], v0[..., EXACT]):
+        out.append("verdict fields")
+    if not torch.equal(L.alarmed(v1), L.alarmed(v0)):
+        out.append("alarms")
+    tol = 1.0 if f64 else 1e-6
+    if loose is not None and (loose[0].any() or loose[1].any()):
+        tol = 1.0
+    for name, x, y in (("row ratios", d1[0], d0[0]), ("column ratios", d1[1], d0[1]),
+                       ("worst row", v1[..., L.ROW_RATIO], v0[..., L.ROW_RATIO]),
+                       ("worst column", v1[..., L.COL_RATIO], v0[..., L.COL_RATIO])):
+        fin = torch.isfinite(y)
+        if not _finite_equal(x, y) or not ((x - y).abs()[fin] <= tol).all():
+            out.append(name)
+    for i, side in enumerate(("col", "row")):
+        t1, t0 = s1[f"thr_{side}"], s0[f"thr_{side}"]
+        fin = torch.isfinite(t0)
+        rtol = torch.full_like(t0, 1e-9)
+        if loose is not None:
+            rtol[loose[i]] = 1.0
+        if not _finite_equal(t1, t0) or not ((t1 - t0).abs() <= rtol * t0.abs())[fin].all():
+            out.append(f"thr_{side}")
+        if loose is not None and loose[i].any():
+            continue                         # their ratios too
+        r1, r0 = s1[f"res_{side}"], s0[f"res_{side}"]
+        fin = torch.isfinite(r0) & torch.isfinite(t0)
+        if not _finite_equal(r1, r0) or not ((r1 - r0).abs()[fin] <= tol * t0[fin].abs()).all():
+            out.append(f"res_{side}")
+    return out
+
+
+def both(a, b, c, **kw):
+    kw = dict(kw, units=kw.get("units") or reference.units_for(c), return_sums=True)
+    assert compiled.usable(a, b, c, kw.get("addend"))
+    return reference.check(a, b, c, **kw), reference.check_torch(a, b, c, **kw), \
+        nu_differs(a, b, kw["bm"], kw["bn"], c)
+
+
+def test_the_special_cases_give_the_oracles_verdicts():
+    """4 dtypes, odd tiles, column-major and batched B, inf/NaN outputs and inputs, addends with
+    alpha/beta, overflowing sums, several blocks, K = 1 (K = 0 runs on the torch check)."""
+    n = 0
+    for a, b, c, kw in cases():
+        if a.shape[-1] == 0:
+            assert not compiled.usable(a, b, c, None)
+            continue
+        got, want, loose = both(a, b, c, **kw)
+        assert differences(got, want, c.dtype == torch.float64, loose) == [], (n, a.dtype, tuple(a.shape), kw.keys())
+        n += 1
+    assert n >= 200
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_the_stress_set_gives_the_oracles_verdicts(seed):
+    from abft.bench.stress import cases as stress_cases, operands
+    n = 0
+    for dist, m, k, nn, dt in stress_cases(quick=True):
+        a, b = operands(dist, m, k, nn, dt, seed)
+        got, want, loose = both(a, b, a @ b, bm=64, bn=64, units=T.units(dt))
+        assert differences(got, want, dt == torch.float64, loose) == [], (dist, m, k, nn, dt)
+        assert not L.alarmed(got[0]).any()
+        n += 1
+    assert n >= 20
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("shift", [-120, -20, 0, 20, 100])
+def test_scaled_and_strided_operands_give_the_oracles_verdicts(dtype, shift):
+    """Data near the ends of each dtype's range (the underflow and flush terms at work), operands in
+    every layout, an alarmed element, batched A against 2-D B and broadcast batches."""
+    g = torch.Generator().manual_seed(3)
+    lim = {torch.float16: 12, torch.bfloat16: 100, torch.float32: 100, torch.float64: 1000}[dtype]
+    s = max(-lim, min(lim, shift))
+    a = (torch.randn(37, 50, generator=g) * 2.0 ** s).to(dtype)
+    b = (torch.randn(50, 29, generator=g) * 2.0 ** -s).to(dtype) if shift >= 0 else \
+        (torch.randn(50, 29, generator=g)).to(dtype)
+    c = a @ b
+    c[5, 7] = c[5, 7] * 3 + 1
+    for aa, bb in ((a, b), (a.t().contiguous().t(), b), (a, b.t().contiguous().t())):
+        got, want, loose = both(aa, bb, c, bm=16, bn=8)
+        assert differences(got, want, dtype == torch.float64, loose) == []
+        assert L.alarmed(got[0])[0, 0]
+    a3 = (torch.randn(2, 3, 20, 50, generator=g) * 2.0 ** s).to(dtype)
+    b3 = torch.randn(3, 50, 29, generator=g).to(dtype)
+    got, want, _ = both(a3, b3, a3 @ b3, bm=8, bn=16)
+    assert differences(got, want, dtype == torch.float64) == []
+
+
+def test_kept_weight_statistics_give_the_oracles_verdicts():
+    """b_stats from ``weight_stats`` (compiled) and from the torch statistics serve either check."""
+    from abft.kernels.stats import operand_stats
+    g = torch.Generator().manual_seed(4)
+    x, w = torch.randn(70, 96, generator=g), torch.randn(40, 96, generator=g)
+    c = x @ w.t()
+    c[3, 4] += 1.0
+    kept_c = reference.weight_stats(w.t(), 16)
+    kept_t = operand_stats(w, 16, need_s=True, need_abs=False)
+    kw = dict(bm=32, bn=16, units=reference.units_for(c), return_sums=True)
+    want = reference.check_torch(x, w.t(), c, **kw)
+    for kept in (kept_c, kept_t):
+        got = reference.check(x, w.t(), c, b_stats=kept, **kw)
+        assert differences(got, want) == []
+    assert L.alarmed(want[0]).sum() == 1
+
+
+def _sensitive_cases():
+    """Cases in which every term of the threshold matters somewhere: small K (the worst-case cap),
+    half types (output rounding, flushed inputs on the CPU), data near underflow, addends with
+    beta != 1, low-entropy rows."""
+    g = torch.Generator().manual_seed(5)
+    r = lambda *s: torch.randn(*s, generator=g)
+    for dt in (torch.float32, torch.bfloat16, torch.float16, torch.float64):
+        for k, s in ((8, 0), (200, 0), (8, -60 if dt != torch.float16 else -6),
+                     (200, -60 if dt != torch.float16 else -6)):
+            a, b = (r(40, k) * 2.0 ** s).to(dt), (r(k, 24) * 2.0 ** s).to(dt)
+            yield a, b, a @ b, dict(bm=16, bn=8)
+            d = r(24).to(dt)
+            yield a, b, torch.addmm(d, a, b, alpha=0.5, beta=2.0), dict(bm=16, bn=8, alpha=0.5, addend=d, beta=2.0)
+        a = torch.ones(40, 100).to(dt)
+        b = torch.randint(-2, 3, (100, 24), generator=g).to(dt)
+        yield a, b, a @ b, dict(bm=16, bn=8)
+
+
+@pytest.mark.parametrize("field", compiled.COEF_NAMES.split(","))
+def test_a_changed_threshold_term_changes_the_verdicts(field, monkeypatch):
+    """Mutation test: the compiled threshold reads every coefficient. Both checks get the split
+    error term switched on (eta 2^-50: the fused kernel's, off in the reference), so that it is
+    compared too; then each coefficient changed in turn in the compiled check only (x 1.5; 0 set
+    to 0.5; ``cap`` flipped) makes some sum's threshold differ from the oracle's."""
+    i = compiled.COEF_NAMES.split(",").index(field)
+    coefficients = T.coefficients
+    monkeypatch.setattr(T, "coefficients", lambda *a, **kw: dataclasses.replace(coefficients(*a, **kw), eta_log2=-50.0))
+    monkeypatch.setattr(compiled, "_coef_cache", {})
+    packed = compiled._packed
+
+    def mutated(*args):
+        p = packed(*args).clone()
+        v = float(p[i])
+        p[i] = 1.0 - v if field == "cap" else 0.5 if v == 0 else v * 1.5
+        return p
+
+    monkeypatch.setattr(compiled, "_packed", mutated)
+    seen = False
+    for a, b, c, kw in _sensitive_cases():
+        got, want, loose = both(a, b, c, **kw)
+        if any(d.startswith("thr") for d in differences(got, want, loose=loose)):
+            seen = True
+            break
+    assert seen, f"changing {field} changed no threshold"
+
+
+def test_the_sensitive_cases_agree_with_every_term_on(monkeypatch):
+    """The cases the mutation test uses, with the split error on in both checks: no difference
+    before any mutation (else a mutation's difference would prove nothing)."""
+    coefficients = T.coefficients
+    monkeypatch.setattr(T, "coefficients", lambda *a, **kw: dataclasses.replace(coefficients(*a, **kw), eta_log2=-50.0))
+    monkeypatch.setattr(compiled, "_coef_cache", {})
+    for a, b, c, kw in _sensitive_cases():
+        got, want, loose = both(a, b, c, **kw)
+        assert differences(got, want, c.dtype == torch.float64, loose) == [], (a.dtype, tuple(a.shape))
+
+
+def test_the_compiled_check_issues_few_torch_ops():
+    """Its fixed cost: allocations and views only (the torch check issues 566)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Count(TorchDispatchMode):
+        n = 0
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            Count.n += 1
+            return func(*args, **(kwargs or {}))
+
+    a, b = torch.randn(64, 64), torch.randn(64, 64)
+    c = a @ b
+    reference.check(a, b, c, bm=64, bn=64, units=T.units(torch.float32))
+    with Count():
+        reference.check(a, b, c, bm=64, bn=64, units=T.units(torch.float32))
+    assert Count.n <= 40, Count.n
+
+
+def test_without_a_compiler_the_torch_check_runs_with_one_warning(monkeypatch, tmp_path):
+    monkeypatch.setattr(compiled, "_lib", None)
+    monkeypatch.setattr(compiled, "_tried", False)
+    monkeypatch.setenv("ABFT_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    a, b = torch.randn(20, 30), torch.randn(30, 10)
+    with pytest.warns(RuntimeWarning, match="the torch check runs instead"):
+        assert not compiled.usable(a, b, a @ b, None)
+    v, _ = reference.check(a, b, a @ b, bm=8, bn=8, units=T.units(torch.float32))
+    assert not L.alarmed(v).any()
+    assert compiled.library() is None            # tried once: no second warning, no second build
+
+
+def test_ABFT_COMPILED_0_runs_the_torch_check(monkeypatch):
+    monkeypatch.setenv("ABFT_COMPILED", "0")
+    a, b = torch.randn(20, 30), torch.randn(30, 10)
+    assert not compiled.usable(a, b, a @ b, None)
+
+
+def test_a_fresh_cache_builds_once_with_a_progress_line(monkeypatch, tmp_path, capfd):
+    monkeypatch.setattr(compiled, "_lib", None)
+    monkeypatch.setattr(compiled, "_tried", False)
+    monkeypatch.setenv("ABFT_CACHE", str(tmp_path))
+    assert compiled.library() is not None
+    assert "compiling the reference check" in capfd.readouterr().err
+    assert len(list(tmp_path.glob("reference-*.so"))) == 1 and not list(tmp_path.glob("*.so.tmp*"))
+
+
+def test_the_coefficient_order_is_the_dataclass_fields():
+    """The packed order is compiled.py's list, checked against the library at load; every field of
+    ``threshold.Coefficients`` is in it."""
+    names = set(compiled.COEF_NAMES.split(","))
+    assert names == {f.name for f in dataclasses.fields(T.Coefficients)}
