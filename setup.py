@@ -11,6 +11,7 @@ setup(
     python_requires=">=3.10",
     packages=["abft", "abft.kernels", "abft.eval", "abft.bench"],
     package_dir={"abft": "abft", "abft.kernels": "kernels", "abft.eval": "eval", "abft.bench": "bench"},
+    package_data={"abft.kernels": ["csrc/*.cpp"]},      # compiled on first use (kernels/compiled.py)
     install_requires=["torch>=2.4", "numpy", "matplotlib"],
     extras_require={
         "triton": ["triton"],

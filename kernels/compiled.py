@@ -59,12 +59,18 @@ def _cache_dir():
     return pathlib.Path(root)
 
 
+def _flags():
+    """FLAGS, then ``$ABFT_CXXFLAGS`` (e.g. ``-DABFT_PROFILE``: per-stage times on stderr)."""
+    return FLAGS + os.environ.get("ABFT_CXXFLAGS", "").split()
+
+
 def _build():
     cxx = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if cxx is None:
         raise RuntimeError("no C++ compiler found (c++, g++ or $CXX)")
     src = SOURCE.read_bytes()
-    key = hashlib.sha256(src + " ".join([cxx] + FLAGS).encode() + _cpu_key().encode()).hexdigest()[:16]
+    flags = _flags()
+    key = hashlib.sha256(src + " ".join([cxx] + flags).encode() + _cpu_key().encode()).hexdigest()[:16]
     out = _cache_dir() / f"reference-{key}.so"
     if not out.exists():
         out.parent.mkdir(parents=True, exist_ok=True)
@@ -72,7 +78,7 @@ def _build():
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=out.parent)
         os.close(fd)
         try:
-            r = subprocess.run([cxx, *FLAGS, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
+            r = subprocess.run([cxx, *flags, "-o", tmp, str(SOURCE)], capture_output=True, text=True)
             if r.returncode != 0:
                 raise RuntimeError(f"{cxx} failed: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}")
             os.replace(tmp, out)            # atomic: concurrent builders (ranks) each write their own

@@ -304,3 +304,18 @@ def test_config_refuses_tiles_the_backend_cannot_run_naming_the_field(tiles):
         with abft.config(tiles=tiles):               # the reference backend takes any size
             with pytest.raises(ValueError, match="tiles"):
                 abft.config(backend="auto")
+
+
+@pytest.mark.parametrize("tiles", [1, 7, 16, 17, 300])
+def test_the_cpu_summary_is_the_torch_summary(tiles, monkeypatch):
+    """summarize() reads CPU verdicts in Python (<= 16 tiles) or numpy: the same four numbers as
+    its torch reductions (run by pretending to trace)."""
+    from abft.kernels import layout as L
+    g = torch.Generator().manual_seed(tiles)
+    v = torch.rand(tiles, L.NFIELDS, generator=g) * 2
+    v[:, L.STATUS] = torch.randint(0, 3, (tiles,), generator=g).float()
+    v[0, L.COL_RATIO] = float("inf")
+    fast = policy.summarize(v.view(1, tiles, L.NFIELDS))
+    monkeypatch.setattr(torch.compiler, "is_compiling", lambda: True)
+    slow = policy.summarize(v.view(1, tiles, L.NFIELDS))
+    assert torch.equal(fast, slow.cpu())

@@ -9,6 +9,12 @@
 #include <cstring>
 #include <limits>
 #include <vector>
+#ifdef ABFT_PROFILE
+#include <cstdio>
+#define STAGE(name) prof(name)
+#else
+#define STAGE(name)
+#endif
 #ifdef _OPENMP
 #include <omp.h>
 #endif
@@ -79,6 +85,17 @@ static inline double pow2(double e) {
 }
 
 static int threads_for(int nt, double work) { return work < 3e4 ? 1 : nt; }
+
+#ifdef ABFT_PROFILE
+// -DABFT_PROFILE: the time since the previous stage, on stderr
+static void prof(const char* name) {
+    static double last = 0;
+    double now = omp_get_wtime();
+    if (name[0] != '>') fprintf(stderr, "%s %.3f ms  ", name, (now - last) * 1e3);
+    if (name[0] == '.') fprintf(stderr, "\n");
+    last = now;
+}
+#endif
 
 // out[q * os] = m * sum_k v[k] rows[q * K + k] for q < n: one vector against n rows, four at a time
 static void dots(const double* v, const double* rows, i64 n, i64 K, double m, double* out, i64 os) {
@@ -584,6 +601,7 @@ template <typename T>
 static void check_t(CheckArgs g) {
     const i64 M = g.M, N = g.N, K = g.K, bm = g.bm, bn = g.bn;
     const i64 TM = (M + bm - 1) / bm, TN = (N + bn - 1) / bn;
+    STAGE(">");
     // B's statistics (the columns of B: rows of B^T), unless kept; then A's with the row predictions
     StatsBuf bs_, as_;
     if (g.B.e == nullptr) {
@@ -594,6 +612,7 @@ static void check_t(CheckArgs g) {
         g.absB = o.absum;
         g.sB = o.s;
     }
+    STAGE("statsB");
     {
         StatsOut o = as_.out(g.nbc, M, TM, K, g.cap != 0, TN);
         stats_t<T>(g.a, g.nbc, g.offa, M, K, g.sam, g.sak, bm, g.places, g.np, g.sB, g.ib, TN,
@@ -605,6 +624,7 @@ static void check_t(CheckArgs g) {
     }
     const bool pre = g.dt == DT_F64, has_d = g.d != nullptr;
     const double alpha = g.alpha, a2 = alpha * alpha, aabs = std::fabs(alpha);
+    STAGE("statsA");
     const i64 nz = has_d ? 10 : 5;
     // per c-batch buffers: predicted column sums, worst-case products, output sums
     std::vector<double> predc(g.nbc * TM * N), tcol(g.cap ? g.nbc * TM * N : 0),
@@ -641,6 +661,7 @@ static void check_t(CheckArgs g) {
     } else {
         thin_products(0, g.nt);
     }
+    STAGE("thin");
     // one pass over C (and the addend), tile by tile: column sums per block of rows, row sums per
     // block of columns. A tile row whose sums are finite takes the vectorised path; one with a
     // non-finite element (or an overflowing square) is summed again element by element,
@@ -741,6 +762,7 @@ static void check_t(CheckArgs g) {
             }
         }
     }
+    STAGE("csum");
     // B's blocks that hold a low-entropy column
     const i64 nbb = g.nbb;
     std::vector<uint8_t> blowq(nbb * TN, 0);
@@ -896,6 +918,7 @@ static void check_t(CheckArgs g) {
             }
         }
     }
+    STAGE("thr");
     // residuals and thresholds in C's units
 #pragma omp parallel for num_threads(threads_for(g.nt, (double)jobs * N))
     for (i64 job = 0; job < jobs; job++) {
@@ -913,6 +936,7 @@ static void check_t(CheckArgs g) {
                 g.thr_r[(b * M + i) * TN + q] *= sc;
             }
     }
+    STAGE(".units");
 }
 
 // dims: nbc, nbb, M, N, K, bm, bn, strides of C (m, n), A (m, k), B (k, n), the addend (m, n), dtype,
