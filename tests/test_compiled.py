@@ -262,3 +262,26 @@ def test_the_coefficient_order_is_the_dataclass_fields():
     ``threshold.Coefficients`` is in it."""
     names = set(compiled.COEF_NAMES.split(","))
     assert names == {f.name for f in dataclasses.fields(T.Coefficients)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_column_major_outputs_and_full_addends_give_the_oracles_verdicts(dtype):
+    """C stored column-major (a transposed product's canonical view), a full (M, N) addend, a
+    broadcast batched addend (baddbmm's), alpha and beta: the layouts the special cases lack."""
+    g = torch.Generator().manual_seed(6)
+    a, b = torch.randn(45, 70, generator=g).to(dtype), torch.randn(70, 33, generator=g).to(dtype)
+    c = (b.t() @ a.t()).t()                       # strides (1, 45)
+    assert c.stride(0) == 1
+    got, want, loose = both(a, b, c, bm=16, bn=8)
+    assert differences(got, want, dtype == torch.float64, loose) == []
+    d = torch.randn(45, 33, generator=g).to(dtype)
+    cd = torch.addmm(d, a, b, alpha=2.0, beta=0.5)
+    cd[44, 32] += 8.0
+    got, want, loose = both(a, b, cd, bm=16, bn=8, alpha=2.0, addend=d, beta=0.5)
+    assert differences(got, want, dtype == torch.float64, loose) == []
+    assert L.alarmed(got[0])[2, 4]
+    a3, b3 = torch.randn(3, 20, 70, generator=g).to(dtype), torch.randn(3, 70, 33, generator=g).to(dtype)
+    d3 = torch.randn(3, 1, 33, generator=g).to(dtype)
+    c3 = torch.baddbmm(d3, a3, b3, alpha=0.5)
+    got, want, _ = both(a3, b3, c3, bm=8, bn=16, alpha=0.5, addend=d3)
+    assert differences(got, want, dtype == torch.float64) == []
