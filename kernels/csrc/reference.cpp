@@ -124,6 +124,34 @@ static void dots(const double* v, const double* rows, i64 n, i64 K, double m, do
     }
 }
 
+// dots for two vectors at once (each row loaded once for both): o0 from v0 (times m0), o1 from v1
+static void dots2(const double* v0, const double* v1, const double* rows, i64 n, i64 K, double m0,
+                  double m1, double* o0, double* o1, i64 os) {
+    i64 q = 0;
+    for (; q + 4 <= n; q += 4) {
+        const double *q0 = rows + q * K, *q1 = q0 + K, *q2 = q1 + K, *q3 = q2 + K;
+        double a0 = 0, a1 = 0, a2 = 0, a3 = 0, b0 = 0, b1 = 0, b2 = 0, b3 = 0;
+#pragma omp simd reduction(+ : a0, a1, a2, a3, b0, b1, b2, b3)
+        for (i64 k = 0; k < K; k++) {
+            a0 += v0[k] * q0[k];
+            a1 += v0[k] * q1[k];
+            a2 += v0[k] * q2[k];
+            a3 += v0[k] * q3[k];
+            b0 += v1[k] * q0[k];
+            b1 += v1[k] * q1[k];
+            b2 += v1[k] * q2[k];
+            b3 += v1[k] * q3[k];
+        }
+        o0[q * os] = a0 * m0; o0[(q + 1) * os] = a1 * m0; o0[(q + 2) * os] = a2 * m0; o0[(q + 3) * os] = a3 * m0;
+        o1[q * os] = b0 * m1; o1[(q + 1) * os] = b1 * m1; o1[(q + 2) * os] = b2 * m1; o1[(q + 3) * os] = b3 * m1;
+    }
+    if (q < n) {
+        dots(v0, rows + q * K, n - q, K, m0, o0 + q * os, os);
+        dots(v1, rows + q * K, n - q, K, m1, o1 + q * os, os);
+    }
+}
+
+
 // ---------------------------------------------------------------------------------------------
 // Operand statistics (stats.operand_stats) of the rows of x (R, K) with strides (sr, sk), per
 // batch (offsets offs), for blocks of bs rows; with rhs (S, K) per batch: times = (x 2^-e) rhs^T.
@@ -179,10 +207,12 @@ static void stats_block(const T* x, i64 R, i64 K, i64 sr, i64 sk, i64 bs, i64 p,
     double* tm = o.times ? o.times + (rbase + i0) * S : nullptr;
     if (tm) std::fill(tm, tm + nr * S, 0.0);
     if (rowmajor) {
+        double* buf2 = buf;
         for (i64 i = i0; i < i1; i++) {
             i64 r = i - i0;
             double m = 0.0, sq = 0.0, rs = rowsc[r], bsc = blksc[r];
             const T* xr = x + i * sr;
+            double* buf = buf2 + (r % 2) * K;        // two rows' values: the row predictions in pairs
             if (sk == 1) {
                 for (i64 k = 0; k < K; k++) buf[k] = cvt(xr[k]);
             } else {
@@ -215,7 +245,10 @@ static void stats_block(const T* x, i64 R, i64 K, i64 sr, i64 sk, i64 bs, i64 p,
                 }
             }
             rsq[r] = sq;
-            if (tm) dots(buf, rhs, S, K, 1.0, tm + r * S, 1);
+            if (tm && r % 2 == 1)
+                dots2(buf2, buf2 + K, rhs, S, K, 1.0, 1.0, tm + (r - 1) * S, tm + r * S, 1);
+            else if (tm && i == i1 - 1)
+                dots(buf, rhs, S, K, 1.0, tm + r * S, 1);
         }
     } else {
         // rows strided, K strided by sk: walk k outer, the rows of the block inner (contiguous)
@@ -374,7 +407,7 @@ static void stats_t(const void* xv, i64 nb, const i64* offs, i64 R, i64 K, i64 s
     const T* x = (const T*)xv;
     i64 tb = (R + bs - 1) / bs, jobs = nb * tb;
     bool rowmajor = !(sr == 1 && sk != 1 && R > 1);
-    i64 wbuf = std::max(K, rowmajor ? (i64)1 : bs);
+    i64 wbuf = rowmajor ? 2 * K : std::max(K, bs);
 #pragma omp parallel num_threads(threads_for(nt, (double)nb * R * K))
     {
         std::vector<double> bsum(K + 1), bsq(K + 1), babs(need_abs ? K + 1 : 1), buf(wbuf + 1);
