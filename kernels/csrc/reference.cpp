@@ -592,6 +592,31 @@ static inline void add(Acc& a, double z, double tiny) {
     a.ns += std::fabs(z) < tiny;
 }
 
+// The column sums of one or two clean rows of a tile (y null: one): values, squares (clamped to
+// the largest double, as a corrupted value's may overflow), magnitudes, and (tiny > 0) the count
+// below the half type's normal range.
+static void add_columns(const double* __restrict x, const double* __restrict y, i64 w, double tiny,
+                        double* __restrict c1, double* __restrict c2, double* __restrict ca,
+                        double* __restrict cs) {
+    auto sq = [](double v) { double vv = v * v; return vv > DMAX ? DMAX : vv; };
+    if (y == nullptr) {
+        for (i64 j = 0; j < w; j++) {
+            c1[j] += x[j];
+            c2[j] += sq(x[j]);
+            ca[j] += std::fabs(x[j]);
+        }
+    } else {
+        for (i64 j = 0; j < w; j++) {
+            c1[j] += x[j] + y[j];
+            c2[j] += sq(x[j]) + sq(y[j]);
+            ca[j] += std::fabs(x[j]) + std::fabs(y[j]);
+        }
+    }
+    if (tiny > 0)
+        for (i64 j = 0; j < w; j++)
+            cs[j] += (std::fabs(x[j]) < tiny ? 1.0 : 0.0) + (y && std::fabs(y[j]) < tiny ? 1.0 : 0.0);
+}
+
 // Statistics kept in the library's own memory (A's always, B's unless the caller kept them).
 struct StatsBuf {
     std::vector<double> e, r1, rinf, E, x1, xinf, xs1, xsinf, nu, s, absum, times;
@@ -703,7 +728,9 @@ static void check_t(CheckArgs g) {
 #pragma omp parallel num_threads(threads_for(g.nt, (double)g.nbc * M * N))
     {
         // one tile's column accumulators, one array per sum (C's five, then the addend's five)
-        std::vector<double> cz(bn * nz), scol(bn), seg(bn), zc(bn), zr(bn);
+        // (C's and the addend's values of the last two rows: a clean row's column sums wait for the
+        // next clean row, and the two are added in one pass over the accumulators)
+        std::vector<double> cz(bn * nz), scol(bn), segs(4 * bn), zcs(4 * bn), zr(bn);
 #pragma omp for schedule(dynamic, 1)
         for (i64 job = 0; job < jobs; job++) {
             i64 b = job / TM, p = job % TM, bb = g.ib[b];
@@ -716,9 +743,12 @@ static void check_t(CheckArgs g) {
                 std::fill(cz.begin(), cz.end(), 0.0);
                 for (i64 j = 0; j < w; j++) scol[j] = pow2(-(EA[p] + fB[j0 + j]));
                 const double srow = pow2(-FB[q]);
+                const double* pend[2] = {nullptr, nullptr};
                 for (i64 i = i0; i < i1; i++) {
                     const double ei = pow2(-eA[i]), sr = ei * srow;
                     for (int src = 0; src < (has_d ? 2 : 1); src++) {
+                        double* seg = segs.data() + (src * 2 + i % 2) * bn;
+                        double* zc = zcs.data() + (src * 2 + i % 2) * bn;
                         if (src == 0) {
                             const T* ci = c + i * g.scm + j0 * g.scn;
                             if (g.scn == 1) {
@@ -733,13 +763,13 @@ static void check_t(CheckArgs g) {
                         const double tiny = src ? 0.0 : g.tiny;
                         double* z0 = cz.data() + src * 5 * bn;
                         // the values as each side sums them (float64: scaled first)
-                        const double *vc = seg.data(), *vr = seg.data();
+                        const double *vc = seg, *vr = seg;
                         if (pre) {
                             for (i64 j = 0; j < w; j++) {
                                 zc[j] = seg[j] * scol[j];
                                 zr[j] = seg[j] * sr;
                             }
-                            vc = zc.data();
+                            vc = zc;
                             vr = zr.data();
                         }
                         double s1 = 0, s2 = 0, sa = 0, ns = 0, nf = 0;
@@ -756,18 +786,17 @@ static void check_t(CheckArgs g) {
                         }
                         double *c1 = z0, *c2 = z0 + bn, *ca = z0 + 2 * bn, *cn = z0 + 3 * bn, *cs = z0 + 4 * bn;
                         if (fin(s2) && fin(s1)) {
-#pragma omp simd
-                            for (i64 j = 0; j < w; j++) {
-                                double x = vc[j], xx = x * x;
-                                c1[j] += x;
-                                c2[j] += xx > DMAX ? DMAX : xx;
-                                ca[j] += std::fabs(x);
-                            }
-                            if (tiny > 0) {
-#pragma omp simd
-                                for (i64 j = 0; j < w; j++) cs[j] += std::fabs(vc[j]) < tiny ? 1.0 : 0.0;
+                            if (pend[src] == nullptr) {
+                                pend[src] = vc;
+                            } else {
+                                add_columns(pend[src], vc, w, tiny, c1, c2, ca, cs);
+                                pend[src] = nullptr;
                             }
                         } else {                          // exactly, element by element
+                            if (pend[src] != nullptr) {   // (its buffer is the next row's)
+                                add_columns(pend[src], nullptr, w, tiny, c1, c2, ca, cs);
+                                pend[src] = nullptr;
+                            }
                             Acc r;
                             for (i64 j = 0; j < w; j++) {
                                 add(r, vr[j], tiny);
@@ -783,6 +812,11 @@ static void check_t(CheckArgs g) {
                         z[0] = s1 * f; z[1] = s2 * (f * f); z[2] = sa * f; z[3] = nf; z[4] = ns;
                     }
                 }
+                for (int src = 0; src < (has_d ? 2 : 1); src++)
+                    if (pend[src] != nullptr) {
+                        double* z0 = cz.data() + src * 5 * bn;
+                        add_columns(pend[src], nullptr, w, src ? 0.0 : g.tiny, z0, z0 + bn, z0 + 2 * bn, z0 + 4 * bn);
+                    }
                 for (i64 src = 0; src < (has_d ? 2 : 1); src++) {
                     const double* z0 = cz.data() + src * 5 * bn;
                     for (i64 j = 0; j < w; j++) {
