@@ -32,6 +32,7 @@ _lock = threading.RLock()      # a death (a callback) may come while a record ho
 _checks = []            # active OutputChecks (the last one records)
 _live = {}              # id(entry) -> entry, until the output dies
 _dead = []              # entries whose output died, to verify at the next safe point
+_interrupted = threading.Event()   # a Ctrl-C caught in a death callback, raised by the next drain
 _draining = threading.local()
 
 
@@ -103,13 +104,20 @@ def _died(entry):
     (its storage may live on, a grad_weight output as ``param.grad``, which GradScaler's
     ``unscale_`` rewrites without a version bump), and queue the verdict for the next safe point
     (the next record, ``flush()``, the check's exit)."""
+    interrupted = False
     try:
         _read(entry)
+    except KeyboardInterrupt:
+        interrupted = True
     except Exception:        # read at the drain instead
         pass
     with _lock:
         _live.pop(id(entry), None)
         _dead.append(entry)
+    if interrupted:
+        # Python prints and drops an exception raised in a weakref callback (and one signalled
+        # again from inside it arrives inside it too): the next drain raises it instead
+        _interrupted.set()
 
 
 def _read(entry):
@@ -123,7 +131,11 @@ def _read(entry):
 
 
 def drain():
-    """Verify every output that died since the last drain (not reentrant)."""
+    """Verify every output that died since the last drain (not reentrant); first, a Ctrl-C that
+    arrived inside an output's death callback."""
+    if _interrupted.is_set():
+        _interrupted.clear()
+        raise KeyboardInterrupt
     if getattr(_draining, "on", False):
         return
     _draining.on = True

@@ -1,6 +1,7 @@
 """abft.OutputCheck: a checked product's output changed in memory after its check (no version
 bump) alarms when the output dies, at its element; the program's own in-place changes and clean
 training never alarm."""
+import pytest
 import torch
 
 import abft
@@ -103,3 +104,29 @@ def test_gradients_unscaled_by_gradscaler_after_their_backward_do_not_alarm():
                 scaler.update()
             assert abft.flush() == []
     assert chk.verified > 0 and chk.skipped == 0
+
+
+def test_a_ctrl_c_inside_the_death_callback_still_interrupts(monkeypatch):
+    """A KeyboardInterrupt raised inside a weakref callback is printed and dropped by Python: Ctrl-C
+    during an output's death read (seen: `abft eval` interrupted there ran on and exited 0) must
+    reach the program all the same, at the next safe point."""
+    import weakref
+    from abft import carry
+
+    def interrupted(entry):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(carry, "_read", interrupted)
+    monkeypatch.setattr(carry, "_dead", [])
+
+    class Output:
+        pass
+
+    out = Output()
+    ref = weakref.ref(out, lambda _, e={}: carry._died(e))
+    del out
+    assert ref() is None and len(carry._dead) == 1
+    with pytest.raises(KeyboardInterrupt):     # at the next safe point (a record, a flush)
+        carry.drain()
+    monkeypatch.setattr(carry, "_dead", [])
+    carry.drain()                              # once
