@@ -29,7 +29,7 @@ import warnings
 import torch
 
 from abft.kernels import threshold as T
-from abft.kernels.stats import OperandStats, _kept_places
+from abft.kernels.stats import SAMPLES, OperandStats, _kept_places
 
 SOURCE = pathlib.Path(__file__).parent / "csrc" / "reference.cpp"
 FLAGS = ["-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c++17"]
@@ -177,37 +177,29 @@ def _ptr(t):
     return None if t is None else t.data_ptr()
 
 
-def stats(x, bs, *, need_abs, rhs=None, rhs_idx=None):
-    """``stats.operand_stats(x, bs, need_s=True, need_abs=need_abs, rhs=rhs)``, compiled. ``rhs``:
-    (nr, S, K) with ``rhs_idx`` (int64, one per batch of x) naming each batch's."""
+def stats(x, bs, *, need_abs):
+    """``stats.operand_stats(x, bs, need_s=True, need_abs=need_abs)``, compiled: the statistics of
+    a B kept between calls (``reference.weight_stats``); a check computes its own inside its call."""
     *batch, r, k = x.shape
     batch = tuple(batch)
     t = -(-r // bs)
-    nb = math.prod(batch)
-    f = lambda *s: torch.empty(*batch, *s, dtype=F64)
     e, r1, rinf = torch.empty(3, *batch, r, dtype=F64).unbind(0)        # few allocations: each costs µs
     finite, low = torch.empty(2, *batch, r, dtype=torch.bool).unbind(0)
     E, x1, xinf, xs1, xsinf, nu = torch.empty(6, *batch, t, dtype=F64).unbind(0)
-    s = f(t, k)
-    absum = f(t, k) if need_abs else None
-    times = f(r, rhs.shape[-2]) if rhs is not None else None
-    n_places = min(k, 16)
+    s = torch.empty(*batch, t, k, dtype=F64)
+    absum = torch.empty(*batch, t, k, dtype=F64) if need_abs else None
+    n_places = min(k, SAMPLES)
     places = _kept_places(k, n_places, x.device)
-    offs = _offsets(x, batch)
-    sr, sk = x.stride(-2), x.stride(-1)
-    if rhs is not None:
-        rhs = rhs.contiguous()
-        rhs_idx = rhs_idx.contiguous()
-    err = _lib.abft_stats(DTYPES[x.dtype], x.data_ptr(), nb, offs.data_ptr(), r, k, sr, sk, bs,
-                          places.data_ptr(), n_places, _ptr(rhs), _ptr(rhs_idx),
-                          0 if rhs is None else rhs.shape[-2], int(need_abs), torch.get_num_threads(),
+    err = _lib.abft_stats(DTYPES[x.dtype], x.data_ptr(), math.prod(batch), _offsets(x, batch).data_ptr(),
+                          r, k, x.stride(-2), x.stride(-1), bs, places.data_ptr(), n_places, None, None, 0,
+                          int(need_abs), torch.get_num_threads(),
                           e.data_ptr(), r1.data_ptr(), rinf.data_ptr(), finite.data_ptr(), low.data_ptr(),
                           E.data_ptr(), x1.data_ptr(), xinf.data_ptr(), xs1.data_ptr(), xsinf.data_ptr(),
-                          nu.data_ptr(), s.data_ptr(), _ptr(absum), _ptr(times))
+                          nu.data_ptr(), s.data_ptr(), _ptr(absum), None)
     if err:
         raise RuntimeError(f"abft_stats failed ({err})")
     return OperandStats(bs=bs, e=e, r1=r1, rinf=rinf, finite=finite, low=low, E=E, x1=x1, xinf=xinf,
-                        xs1=xs1, xsinf=xsinf, nu=nu, s=s, absum=absum, times=times)
+                        xs1=xs1, xsinf=xsinf, nu=nu, s=s, absum=absum)
 
 
 _coef_cache = {}
@@ -254,7 +246,8 @@ def check(a, b, c, *, bm, bn, units, acc, chk, alpha, addend, beta, lam, return_
     scaled = addend is not None and float(beta) != 1.0
     coef_c = _packed(units, k, bm, acc, chk, lam, scaled)
     coef_r = _packed(units, k, bn, acc, chk, lam, scaled)
-    places = _kept_places(k, min(k, 16), c.device)
+    n_places = min(k, SAMPLES)
+    places = _kept_places(k, n_places, c.device)
     verdict = torch.empty(*batch, tm, tn, 9, dtype=torch.float32)
     det_r = torch.empty(*batch, m, tn, dtype=torch.float32)
     det_c = torch.empty(*batch, tm, n, dtype=torch.float32)
@@ -271,7 +264,7 @@ def check(a, b, c, *, bm, bn, units, acc, chk, alpha, addend, beta, lam, return_
     dims = (ctypes.c_int64 * 19)(nbc, max(1, math.prod(bbatch)), m, n, k, bm, bn, c.stride(-2), c.stride(-1),
                                  a.stride(-2), a.stride(-1), b.stride(-2), b.stride(-1),
                                  0 if d is None else d.stride(-2), 0 if d is None else d.stride(-1),
-                                 DTYPES[c.dtype], int(cap), torch.get_num_threads(), min(k, 16))
+                                 DTYPES[c.dtype], int(cap), torch.get_num_threads(), n_places)
     scal = (ctypes.c_double * 3)(float(alpha), _TINY.get(c.dtype, 0.0), _MAX[c.dtype])
     outs = (_P * 7)(verdict.data_ptr(), det_r.data_ptr(), det_c.data_ptr(), res_c.data_ptr(),
                     thr_c.data_ptr(), res_r.data_ptr(), thr_r.data_ptr())

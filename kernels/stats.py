@@ -54,7 +54,10 @@ class OperandStats:
         return _block_max((~self.finite).to(self.e.dtype), self.bs) == 0
 
 
-def low_entropy(x, samples=16):
+SAMPLES = 16              # places low_entropy samples per row (the compiled check samples the same)
+
+
+def low_entropy(x, samples=SAMPLES):
     """(..., R, K) -> (..., R) bool: rows that, sampled at ``samples`` fixed places along K, take
     at most samples/4 distinct values, or repeat one nonzero value at samples/4 places or more
     (constant, few-valued, coarsely quantised data, or a shared constant at many positions: their
