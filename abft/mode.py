@@ -6,7 +6,10 @@ plain product: one contracted index, at most one free index per operand) through
 labels come from forward hooks it installs (qualified names when ``model`` is given, class names
 otherwise). ``F.scaled_dot_product_attention`` is computed as its math decomposition with both
 products checked when ``sdpa=True``; otherwise it is counted as unprotected, as are convolutions
-and einsum forms that are not products (``abft.coverage()``).
+and einsum forms that are not products (``abft.coverage()``). ``F.multi_head_attention_forward``
+(``nn.MultiheadAttention``, which reads its weights directly) runs with the mode re-entered, so its
+projections and attention products are seen; a mode being active also keeps torch's fused
+inference paths (``nn.MultiheadAttention``, ``nn.TransformerEncoderLayer``) from being taken.
 
 Torch-function modes are off inside autograd's backward; the backward products are checked because
 abft's own ops compute them. einsum is checked in the forward only (torch computes its gradients).
@@ -28,6 +31,12 @@ def _stack():
     if st is None:
         st = _local.modules = []
     return st
+
+
+def _state(name):
+    """This thread's ``passing`` (an abft block is handling a call) or ``sdpa`` (the innermost
+    ``checked`` block's choice)."""
+    return getattr(_local, name, False)
 
 
 def current_module():
@@ -123,6 +132,42 @@ class _Noop:
         return self.fn()
 
 
+_reentrant_classes = {}
+
+
+def _reentrant(base):
+    """torch.utils.checkpoint's reentrant Function (``use_reentrant=True``, which takes no
+    ``context_fn``) with its recomputation run in the block's recompute context: the function
+    it keeps is wrapped, at the forward, in the context checkpoint's default is then."""
+    if base not in _reentrant_classes:
+        import torch.utils.checkpoint as cp
+
+        class CheckedCheckpointFunction(base):
+            @staticmethod
+            def forward(ctx, run_function, preserve_rng_state, *args):
+                noop = cp.noop_context_fn
+                if isinstance(noop, _Noop):
+                    run_function = _Recompute(run_function, noop.fn)
+                return base.forward(ctx, run_function, preserve_rng_state, *args)
+
+        _reentrant_classes[base] = CheckedCheckpointFunction
+    return _reentrant_classes[base]
+
+
+class _Recompute:
+    """A checkpointed function: as it is in the forward, in the recompute context in backward."""
+
+    def __init__(self, fn, context):
+        self.fn, self.context = fn, context
+
+    def __call__(self, *args):
+        if torch._C._current_graph_task_id() == -1:
+            return self.fn(*args)
+        _, recompute = self.context()
+        with recompute:
+            return self.fn(*args)
+
+
 _UNPROTECTED = {F.conv1d: "conv1d", F.conv2d: "conv2d", F.conv3d: "conv3d",
                 F.conv_transpose1d: "conv_transpose1d", F.conv_transpose2d: "conv_transpose2d",
                 torch.conv1d: "conv1d", torch.conv2d: "conv2d", torch.tensordot: "tensordot"}
@@ -136,6 +181,8 @@ class checked(TorchFunctionMode):
         sdpa: compute ``F.scaled_dot_product_attention`` as checked products (math decomposition;
             values then differ from the fused kernel's by round-off).
     """
+
+    _label = None            # a fixed module label (``within``); else the module stack's
 
     def __init__(self, model=None, *, sdpa=False):
         super().__init__()
@@ -154,23 +201,25 @@ class checked(TorchFunctionMode):
 
     def _patch_checkpoint(self):
         """Make ``_recompute_context`` checkpoint's default context (its ``noop_context_fn``
-        too, which use_reentrant=True requires the default to be), unless an outer block did."""
+        too, which use_reentrant=True requires the default to be), and its reentrant Function
+        one that recomputes in it, unless an outer block did."""
         import inspect
         import torch.utils.checkpoint as cp
         if isinstance(cp.noop_context_fn, _Noop):
             return
         fn = self._recompute_context
         kw = inspect.unwrap(cp.checkpoint).__kwdefaults__
-        self._checkpoint = (cp.noop_context_fn, kw.get("context_fn"))
+        self._checkpoint = (cp.noop_context_fn, kw.get("context_fn"), cp.CheckpointFunction)
         cp.noop_context_fn = _Noop(fn)
         kw["context_fn"] = cp.noop_context_fn
+        cp.CheckpointFunction = _reentrant(cp.CheckpointFunction)
 
     def _unpatch_checkpoint(self):
         if self._checkpoint is not None:
             import inspect
             import torch.utils.checkpoint as cp
-            cp.noop_context_fn, inspect.unwrap(cp.checkpoint).__kwdefaults__["context_fn"] = \
-                self._checkpoint
+            cp.noop_context_fn, inspect.unwrap(cp.checkpoint).__kwdefaults__["context_fn"], \
+                cp.CheckpointFunction = self._checkpoint
             self._checkpoint = None
 
     def _name(self, mod):
@@ -191,6 +240,7 @@ class checked(TorchFunctionMode):
         post = torch.nn.modules.module.register_module_forward_hook(pop, always_call=True)
         self._hooks = [pre, post]
         self._patch_checkpoint()
+        self._save(sdpa=self.sdpa)
         return super().__enter__()
 
     def __exit__(self, *exc):
@@ -198,11 +248,33 @@ class checked(TorchFunctionMode):
             h.remove()
         self._hooks = []
         self._unpatch_checkpoint()
+        self._restore()
         return super().__exit__(*exc)
+
+    def _save(self, sdpa):
+        """Entering: this block handles what reaches it (an outer block's pass-through mark is
+        cleared until it exits) and sets the SDPA choice of the ``within`` blocks inside it."""
+        self.__dict__.setdefault("_saved", []).append((_state("passing"), _state("sdpa")))
+        _local.passing, _local.sdpa = False, sdpa
+
+    def _restore(self):
+        _local.passing, _local.sdpa = self._saved.pop()
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        mod = current_module()
+        if _state("passing"):
+            # an inner abft block handles this call: what it runs (torch's own call, abft's
+            # check) is its own, so an outer block (protect's ``within`` under ``checked``)
+            # neither counts nor checks it again
+            return func(*args, **kwargs)
+        _local.passing = True
+        try:
+            return self._handle(func, args, kwargs)
+        finally:
+            _local.passing = False
+
+    def _handle(self, func, args, kwargs):
+        mod = self._label or current_module()
         if func in _PRODUCTS:
             return _PRODUCTS[func](func, mod, args, kwargs)
         if func is torch.einsum:
@@ -216,7 +288,53 @@ class checked(TorchFunctionMode):
             coverage.unprotected("scaled_dot_product_attention", mod)
         elif func in _UNPROTECTED:
             coverage.unprotected(_UNPROTECTED[func], mod)
+        elif func is F.multi_head_attention_forward:
+            # a Python function of torch products: called with this mode popped (as every function
+            # a mode handles), it would compute them unseen; run with the mode pushed again (its
+            # copy skips its own check, which would hand it back here), each reaches this mode
+            TorchFunctionMode.__enter__(self)
+            _local.passing = False
+            try:
+                return _unhandled(func)(*args, **kwargs)
+            finally:
+                TorchFunctionMode.__exit__(self, None, None, None)
         return func(*args, **kwargs)
+
+
+_copies = {}
+
+
+def _unhandled(fn):
+    """A copy of torch's Python function ``fn`` whose ``has_torch_function`` checks answer False
+    (the same code and module globals otherwise)."""
+    if fn not in _copies:
+        import types
+        g = dict(fn.__globals__)
+        for name in ("has_torch_function", "has_torch_function_unary", "has_torch_function_variadic"):
+            g[name] = lambda *args: False
+        copy = types.FunctionType(fn.__code__, g, fn.__name__, fn.__defaults__, fn.__closure__)
+        copy.__kwdefaults__ = fn.__kwdefaults__
+        _copies[fn] = copy
+    return _copies[fn]
+
+
+class within(checked):
+    """The products of one module's forward checked under its label (``protect``'s
+    ``nn.MultiheadAttention``): a ``checked`` block without the module hooks and checkpoint
+    patches, which an outer ``checked`` or a protected module's own recomputation provides."""
+
+    def __init__(self, label):
+        super().__init__()
+        self._label = label
+
+    def __enter__(self):
+        self.sdpa = _state("sdpa")               # an outer checked(sdpa=True) decomposes SDPA here too
+        self._save(sdpa=self.sdpa)
+        return TorchFunctionMode.__enter__(self)
+
+    def __exit__(self, *exc):
+        self._restore()
+        return TorchFunctionMode.__exit__(self, *exc)
 
 
 def _checkable(*ts):

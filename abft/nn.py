@@ -8,6 +8,14 @@ of its own (routers that return tuples, quantized and adapter layers) is left as
 checked forward would replace its own: its products are checked where they reach torch's
 functions under ``abft.checked()`` (``protect`` lists it under ``own_forward``).
 
+``nn.MultiheadAttention`` computes its products from its weights inside
+``F.multi_head_attention_forward`` (its ``out_proj``'s forward is never called): ``protect`` swaps
+it for a subclass whose forward runs inside ``abft.mode.within`` (its label), so its projections and
+attention products are checked (SDPA is torch's, counted as unprotected, unless an outer
+``checked(sdpa=True)`` decomposes it), and ``out_proj`` is left plain. ``nn.TransformerEncoderLayer``
+and ``nn.TransformerEncoder`` take fused inference paths (eval, no grad) that call none of their
+submodules' forwards: they get the same wrapper, whose active mode turns those paths off.
+
 Weight checksums (``cache_weight_checksums=True``, the default for protected modules): the
 statistics of W the row check needs are kept from the last time the weight parameter changed
 (``abft.weightcache``): one pass over W saved per forward, and a change of W at rest (a bit flip
@@ -21,14 +29,24 @@ import math
 
 from torch import nn
 
-from abft import autograd, dtensor, weightcache
+from abft import autograd, dtensor, mode, weightcache
 
 
 class _Checked:
-    """Mixin whose ``forward`` runs the checked op; ``_abft_name`` labels the alarms."""
+    """What every protected module has: ``_abft_name`` labels the alarms; pickled as its plain class
+    swapped again."""
     _abft_name = ""
     _abft_kind = "linear"
     _abft_cache = True
+
+    def __reduce_ex__(self, protocol):
+        if type(self) not in _classes.values():       # a class of its own (abft.nn.Linear)
+            return super().__reduce_ex__(protocol)
+        return _rebuild, (type(self)._abft_base, self._abft_kind), self.__getstate__()
+
+
+class _CheckedProduct(_Checked):
+    """Mixin whose ``forward`` runs the checked op (``nn.Linear``, HF ``Conv1D``)."""
 
     def forward(self, x):
         if self._abft_kind == "conv1d":          # transformers.pytorch_utils.Conv1D
@@ -39,10 +57,18 @@ class _Checked:
         return autograd.linear(x, self.weight, self.bias, module=self._abft_name,
                                cache=self._abft_cache)
 
-    def __reduce_ex__(self, protocol):
-        if type(self) not in _classes.values():       # a class of its own (abft.nn.Linear)
-            return super().__reduce_ex__(protocol)
-        return _rebuild, (type(self)._abft_base, self._abft_kind), self.__getstate__()
+
+class _CheckedWithin(_Checked):
+    """Mixin whose ``forward`` is the module's own, run inside ``abft.mode.within`` (module
+    docstring): ``nn.MultiheadAttention`` and the transformer encoder's fused paths."""
+
+    def forward(self, *args, **kwargs):
+        with mode.within(self._abft_name):
+            return super().forward(*args, **kwargs)
+
+
+_MIXINS = {"linear": _CheckedProduct, "conv1d": _CheckedProduct, "attention": _CheckedWithin,
+           "fast_path": _CheckedWithin}
 
 
 _classes = {}
@@ -59,12 +85,12 @@ def _checked_class(cls, kind):
     if issubclass(cls, _Checked):
         return cls
     if cls not in _classes:
-        _classes[cls] = type(f"Checked{cls.__name__}", (_Checked, cls), {"_abft_kind": kind,
-                                                                         "_abft_base": cls})
+        _classes[cls] = type(f"Checked{cls.__name__}", (_MIXINS[kind], cls),
+                             {"_abft_kind": kind, "_abft_base": cls})
     return _classes[cls]
 
 
-class Linear(_Checked, nn.Linear):
+class Linear(_CheckedProduct, nn.Linear):
     """``nn.Linear`` whose forward and both backward GEMMs are checked.
 
     Same constructor, parameters and state_dict as ``nn.Linear``.
@@ -104,6 +130,10 @@ def _own_forward(cls):
 
 
 def _kind(mod):
+    if isinstance(mod, nn.MultiheadAttention):
+        return "attention"
+    if isinstance(mod, (nn.TransformerEncoderLayer, nn.TransformerEncoder)):
+        return "fast_path"
     if isinstance(mod, nn.Linear):
         return "linear"
     if type(mod).__name__ == "Conv1D" and hasattr(mod, "nf") and getattr(mod, "weight", None) is not None:
@@ -112,30 +142,37 @@ def _kind(mod):
 
 
 def protect(model, *, cache_weight_checksums=True, prefix=""):
-    """Swap every ``nn.Linear`` and HF ``Conv1D`` of ``model`` for its checked version, in place.
+    """Swap every ``nn.Linear`` and HF ``Conv1D`` of ``model`` for its checked version, in place
+    (and ``nn.MultiheadAttention`` and the transformer encoder's modules: module docstring).
 
     Returns:
-        dict with ``linear`` and ``conv1d`` (qualified names swapped), ``already`` (protected
-        before), ``own_forward`` (``nn.Linear`` subclasses with a forward of their own, left as
-        they are: their products are checked under ``abft.checked()``) and ``not_covered`` (modules with GEMMs this cannot reach, e.g.
-        ``nn.MultiheadAttention``, which uses its weights directly: use ``abft.checked()``).
+        dict with ``linear`` and ``conv1d`` (qualified names swapped), ``attention``
+        (``nn.MultiheadAttention``), ``fast_path`` (``nn.TransformerEncoderLayer`` and
+        ``nn.TransformerEncoder``, swapped so their fused inference paths are not taken),
+        ``already`` (protected before), ``own_forward`` (``nn.Linear`` subclasses with a forward
+        of their own, left as they are: their products are checked under ``abft.checked()``) and
+        ``not_covered`` (modules with products this cannot reach; none of torch's so far).
     """
     dtensor.ensure()          # eagerly: a torch.compile of the model must not register it
-    summary = {"linear": [], "conv1d": [], "already": [], "own_forward": [], "not_covered": []}
+    summary = {"linear": [], "conv1d": [], "attention": [], "fast_path": [], "already": [],
+               "own_forward": [], "not_covered": []}
+    unused = set()            # nn.MultiheadAttention's out_proj: its forward is never called
     for name, mod in model.named_modules():
         qual = prefix + name if name else (prefix.rstrip(".") or type(model).__name__)
+        if isinstance(mod, nn.MultiheadAttention):
+            unused.add(id(mod.out_proj))
         if isinstance(mod, _Checked):
             summary["already"].append(qual)
             continue
         kind = _kind(mod)
+        if id(mod) in unused:
+            continue
         if kind == "linear" and _own_forward(type(mod)):
             summary["own_forward"].append(qual)       # kept as it is (module docstring)
         elif kind is not None:
             mod.__class__ = _checked_class(type(mod), kind)
-            _label(mod, qual, cache_weight_checksums)
+            _label(mod, qual, cache_weight_checksums and kind in ("linear", "conv1d"))
             summary[kind].append(qual)
-        elif isinstance(mod, nn.MultiheadAttention):
-            summary["not_covered"].append(qual)
     return summary
 
 

@@ -450,15 +450,40 @@ def test_non_reentrant_checkpoint_under_checked_recomputes_checked():
     assert all(torch.equal(a, b) for a, b in zip(got, want))
     alarms = abft.flush()
     assert [(a.phase, a.row, a.col) for a in alarms] == [("recompute", 1, 2)]
-    # use_reentrant=True still runs (its recomputation is torch's, unchecked: README)
-    with abft.checked():
-        y = checkpoint(f, x, use_reentrant=True)
-        y.sum().backward()
     import torch.utils.checkpoint as cp
     assert cp.noop_context_fn.__module__ == "torch.utils.checkpoint"      # restored
 
 
-def test_llama_gradient_checkpointing_under_checked_is_bit_identical():
+def test_reentrant_checkpoint_under_checked_recomputes_checked():
+    """use_reentrant=True ignores context_fn: its recomputation (and the gradients of what it
+    recomputes) ran unchecked and uncounted."""
+    from torch.utils.checkpoint import checkpoint
+    import torch.utils.checkpoint as cp
+    torch.manual_seed(0)
+    w = torch.randn(6, 5, requires_grad=True)
+    x = torch.randn(4, 6, requires_grad=True)
+    f = lambda t: torch.matmul(t, w).tanh()
+
+    def grads():
+        checkpoint(f, x, use_reentrant=True).sum().backward()
+        g = (x.grad, w.grad)
+        x.grad = w.grad = None
+        return g
+    want = grads()
+    with abft.checked():
+        got = grads()
+    assert all(torch.equal(a, b) for a, b in zip(got, want))
+    # the forward, its recomputation and the recomputation's two gradient products
+    assert _checked_calls() == 4 and not abft.flush()
+    with abft.checked():
+        with abft.inject(row=1, col=2, kind="add", value=3.0, when=lambda c: c.phase == "recompute"):
+            checkpoint(f, x, use_reentrant=True).sum().backward()
+    assert [(a.phase, a.row, a.col) for a in abft.flush()] == [("recompute", 1, 2)]
+    assert cp.CheckpointFunction.__module__ == "torch.utils.checkpoint"    # restored
+
+
+@pytest.mark.parametrize("reentrant", [False, True])
+def test_llama_gradient_checkpointing_under_checked_is_bit_identical(reentrant):
     import copy
     tr = pytest.importorskip("transformers")
     cfg = tr.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=48, num_hidden_layers=2,
@@ -468,8 +493,11 @@ def test_llama_gradient_checkpointing_under_checked_is_bit_identical():
     model = tr.LlamaForCausalLM(cfg)
     twin = copy.deepcopy(model)
     for m in (model, twin):
-        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        m.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
         m.train()
     abft.protect(model)
     _train_bit_identical(model, twin, steps=2, clip=False)
     assert not abft.flush()
+    # eager attention's two matmuls per layer: forward, recomputation and two gradient products
+    # each (2 layers, 2 steps); reentrant's recomputation ran unchecked before
+    assert sum(r["checked"] for r in abft.coverage() if r["op"] == "matmul") == 2 * 4 * 2 * 2
