@@ -62,7 +62,7 @@ grad_product.register_autograd(_gp_backward, setup_context=_gp_setup)
 
 
 def _g(kind, a, b, op, phase, module):
-    out = dtensor.located(torch.ops.abft.grad_product, a, b, kind, op, phase, module)
+    out = _dispatch(torch.ops.abft.grad_product, (a, b), kind, op, phase, module)
     if carry.active():                  # an OutputCheck is on: verified at its death
         carry.record(out, module or None, op, phase)
     return out
@@ -142,7 +142,7 @@ def _linear_backward(ctx, grad):
     gx = gw = gb = None
     if ctx.needs_input_grad[0]:
         if ctx.wkey and not dtensor.any_dtensor(grad, w):
-            gx = torch.ops.abft.grad_input_kept(grad, w, ctx.module, ctx.wkey)
+            gx = _dispatch(torch.ops.abft.grad_input_kept, (grad, w), ctx.module, ctx.wkey)
             if carry.active():
                 carry.record(gx, ctx.module or None, "linear", "grad_input")
         else:
@@ -413,14 +413,36 @@ def _plain(op, module, fn, *args, **kwargs):
     return fn(*args, **kwargs)
 
 
+def _direct(tensors):
+    """Whether a custom op's own function can run without torch's dispatcher, which then only
+    adds its cost (tens of µs a call): eager, no gradient to record, plain dense tensors, no
+    dispatch mode to see the op. torch.compile, autograd, DTensor, fake and meta tensors, and
+    modes that count ops get the custom op."""
+    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+        return False
+    grad = torch.is_grad_enabled()
+    for t in tensors:
+        if t is not None and (type(t) is not torch.Tensor or t.is_meta or grad and t.requires_grad):
+            return False
+    return True
+
+
+def _dispatch(fn, tensors, *rest):
+    """``fn(*tensors, *rest)``: the custom op ``fn``, or its own function where ``_direct``."""
+    impl = _IMPLS.get(fn)
+    if impl is not None and _direct(tensors):
+        return impl(*tensors, *rest)
+    return dtensor.located(fn, *tensors, *rest)
+
+
 def _call(fn, device_type, tensors, *rest):
     dtensor.ensure()
     tensors, cast = _autocast(device_type, *tensors)
     if cast:
         with torch.autocast(device_type, enabled=False):
-            out = dtensor.located(fn, *tensors, *rest)
+            out = _dispatch(fn, tensors, *rest)
     else:
-        out = dtensor.located(fn, *tensors, *rest)
+        out = _dispatch(fn, tensors, *rest)
     if carry.active():                  # an OutputCheck is on: the output is verified at its death
         module = next((r for r in rest if isinstance(r, str)), "")
         carry.record(out, module or None, fn._qualified_op_name.split("::")[-1])
@@ -501,3 +523,18 @@ def linear(input, weight, bias=None, *, module=None, cache=False):
         return _plain("linear", module, torch.nn.functional.linear, input, weight, bias)
     wkey = weightcache.key(weight) if cache else 0
     return _call(torch.ops.abft.linear, input.device.type, (input, weight, bias), module or "", wkey)
+
+
+def _impls(*defs):
+    """The function each custom op runs (``_dispatch`` calls it directly where nothing needs the
+    op), read from torch's CustomOpDef; none where a torch version does not keep them there."""
+    out = {}
+    for d in defs:
+        name, fn = getattr(d, "_name", None), getattr(d, "_init_fn", None)
+        if isinstance(name, str) and callable(fn):
+            out[getattr(torch.ops.abft, name.split("::")[-1])] = fn
+    return out
+
+
+_IMPLS = _impls(grad_product, grad_input_kept, linear_op, addmm_op, matmul_op, mm_op, bmm_op,
+                baddbmm_op)

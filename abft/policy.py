@@ -48,6 +48,8 @@ def before_flush(fn):
 
 
 def summarize(verdict):
+    """(alarmed tiles, unverified tiles, tiles, worst ratio) of a verdict: a tuple of floats on
+    the CPU, a tensor on the verdict's device elsewhere (read at the flush, one transfer for all)."""
     if verdict.device.type == "cpu" and not torch.compiler.is_compiling():
         # on the CPU the same reductions without torch's ten ops: a few tiles in Python, more in numpy
         v = verdict.detach().numpy().reshape(-1, L.NFIELDS)
@@ -60,7 +62,7 @@ def summarize(verdict):
             alarmed = ((v[:, L.ROW_RATIO] > 1) | (v[:, L.COL_RATIO] > 1) | (v[:, L.STATUS] == L.NONFINITE)).sum()
             unverified = (v[:, L.STATUS] == L.UNVERIFIED).sum()
             worst = np.maximum(v[:, L.ROW_RATIO], v[:, L.COL_RATIO]).max()
-        return torch.tensor([float(alarmed), float(unverified), float(len(v)), float(worst)])
+        return (float(alarmed), float(unverified), float(len(v)), float(worst))
     alarmed = L.alarmed(verdict)
     unverified = verdict[..., L.STATUS] == L.UNVERIFIED
     # a fill, not a host-to-device copy: capturable in a CUDA graph
@@ -208,11 +210,14 @@ def flush():
         _reported.clear()
     if not items:
         return reported
-    # One transfer per device for all the queued summaries.
+    # One transfer per device for all the queued summaries (the CPU's are tuples already).
     by_device = collections.defaultdict(list)
-    for i, p in enumerate(items):
-        by_device[p.summary.device].append(i)
     summaries = [None] * len(items)
+    for i, p in enumerate(items):
+        if isinstance(p.summary, tuple):
+            summaries[i] = p.summary
+        else:
+            by_device[p.summary.device].append(i)
     for idxs in by_device.values():
         for i, row in zip(idxs, torch.stack([items[i].summary for i in idxs]).cpu().tolist()):
             summaries[i] = row
@@ -235,7 +240,7 @@ def flush():
 
 def resolve_now(p):
     """Resolve one check at once (raise, recompute, correct); returns its alarms."""
-    if _count(p.summary.tolist(), p.info):
+    if _count(p.summary if isinstance(p.summary, tuple) else p.summary.tolist(), p.info):
         return alarms_of(p, None)
     return []
 

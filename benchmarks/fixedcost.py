@@ -7,6 +7,8 @@ whatever their size) dominate.
 - check: ``reference.check`` alone on the same product, and the count of torch ops it issues;
   both rows for the compiled check (``kernels/compiled.py``, the default on the CPU) and for the
   torch check (``reference.check_torch``, its oracle), alternated call by call in one process;
+- with ``--alone``: this tree's check only (without the torch check alternating, whose ops evict
+  the caches between calls: the steady state of a loop of small products);
 - with ``--compile``: the torch check through ``torch.compile`` (inductor, one graph), its compile
   time for the shape, its cost per call, and whether its verdicts equal the eager torch check's;
 - with ``--against DIR`` (another commit's ``kernels/``, e.g. from ``git archive``): both rows for
@@ -141,23 +143,25 @@ def equal_on_cases(other):
     return same, total
 
 
-def main(pairs=2000, warmup=200, size=64, compile=False, against=None):
+def main(pairs=2000, warmup=200, size=64, compile=False, against=None, alone=False):
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _measure(pairs, warmup, size, compile, against)
+        return _measure(pairs, warmup, size, compile, against, alone)
     finally:
         torch.set_num_threads(threads)
 
 
-def _measure(pairs, warmup, size, compile, against):
+def _measure(pairs, warmup, size, compile, against, alone):
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(size, size, generator=g), torch.randn(size, size, generator=g)
     c = a @ b
     kw = dict(bm=size, bn=size, units=reference.units_for(c))
     # only the check is swapped: abft binds reference.weight_stats at import (a protected layer's
     # weights, which this product has none of)
-    arms = {"this tree": reference.check, "torch": reference.check_torch}
+    arms = {"this tree": reference.check}
+    if not alone:         # alternated with the torch check, whose 469 ops evict the caches between
+        arms["torch"] = reference.check_torch
     if against is not None:
         other = load_other(against)
         arms["--against"] = other.check
@@ -172,7 +176,7 @@ def _measure(pairs, warmup, size, compile, against):
         abft.flush()
 
     api = {arm: [] for arm in arms}
-    alone = {arm: [] for arm in arms}
+    check_t = {arm: [] for arm in arms}
     try:
         with abft.config(backend="reference", policy="record"):
             for _ in range(warmup):
@@ -192,7 +196,7 @@ def _measure(pairs, warmup, size, compile, against):
                     reference.check(a, b, c, **kw)
                     t3 = time.perf_counter()
                     api[arm].append((t1 - t0) - (t2 - t1))
-                    alone[arm].append(t3 - t2)
+                    check_t[arm].append(t3 - t2)
     finally:
         use("this tree")
     print(f"{size}x{size}x{size} float32, 1 thread, medians of {pairs} interleaved calls after {warmup}:")
@@ -200,7 +204,7 @@ def _measure(pairs, warmup, size, compile, against):
     for arm in arms:
         with _Count() as n:
             verdict = arms[arm](a, b, c, **kw)
-        o = dict(api_ms=statistics.median(api[arm]) * 1e3, check_ms=statistics.median(alone[arm]) * 1e3,
+        o = dict(api_ms=statistics.median(api[arm]) * 1e3, check_ms=statistics.median(check_t[arm]) * 1e3,
                  ops=n.n, verdict=verdict)
         print(f"  {arm:10s} api   abft.matmul + flush - plain  {o['api_ms']:7.3f} ms")
         print(f"  {arm:10s} check reference.check (eager)      {o['check_ms']:7.3f} ms  {n.n} torch ops")
@@ -214,7 +218,8 @@ def _measure(pairs, warmup, size, compile, against):
         out["cases"] = on_cases
     else:
         out["this tree"].pop("verdict")
-    out["torch"].pop("verdict")
+    if "torch" in out:
+        out["torch"].pop("verdict")
     out.update(out.pop("this tree"))
     run = lambda: reference.check_torch(a, b, c, **kw)
     if compile:                            # the torch check traced (the compiled one is not torch's)
@@ -236,7 +241,10 @@ if __name__ == "__main__":
     p.add_argument("--size", type=int, default=64)
     p.add_argument("--compile", action="store_true")
     p.add_argument("--against", metavar="DIR", help="another commit's kernels/ to alternate with")
+    p.add_argument("--alone", action="store_true",
+                   help="this tree's check only (warm caches: a training loop's steady state)")
     args = p.parse_args()
     if args.against is not None and not (pathlib.Path(args.against) / "reference.py").is_file():
         p.error(f"--against: no reference.py in {args.against}")
-    main(pairs=args.pairs, size=args.size, compile=args.compile, against=args.against)
+    main(pairs=args.pairs, size=args.size, compile=args.compile, against=args.against,
+         alone=args.alone)

@@ -251,8 +251,8 @@ def check(a, b, c, *, bm, bn, units, acc, chk, alpha, addend, beta, lam, return_
     verdict = torch.empty(*batch, tm, tn, 9, dtype=torch.float32)
     det_r = torch.empty(*batch, m, tn, dtype=torch.float32)
     det_c = torch.empty(*batch, tm, n, dtype=torch.float32)
-    res_c, thr_c = torch.empty(2, *batch, tm, n, dtype=F64).unbind(0)
-    res_r, thr_r = torch.empty(2, *batch, m, tn, dtype=F64).unbind(0)
+    res_c, thr_c = torch.empty(*batch, tm, n, dtype=F64), torch.empty(*batch, tm, n, dtype=F64)
+    res_r, thr_r = torch.empty(*batch, m, tn, dtype=F64), torch.empty(*batch, m, tn, dtype=F64)
     if b_stats is None:
         kept = [None] * 13
     else:

@@ -94,3 +94,37 @@ def test_fault_in_each_phase_is_detected_and_labelled(op, phase, inject_shape):
     al = alarms[0]
     assert (al.op, al.phase, al.module, al.step) == (op, phase, "blk.mlp", 5)
     assert (al.row, al.col) == (1, 2)
+
+
+def test_calls_with_nothing_to_record_skip_the_dispatcher(monkeypatch):
+    """An eager call with no gradient to record runs the custom op's own function (torch's
+    dispatcher costs tens of µs a call); autograd, and a dispatch mode that watches ops, get the
+    custom op. Backward products run without grad mode, so they go direct too."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+    from abft import autograd
+    direct = []
+
+    def spy(op, fn):
+        return lambda *args: direct.append(str(op).split(".")[-1]) or fn(*args)
+    monkeypatch.setattr(autograd, "_IMPLS", {op: spy(op, fn) for op, fn in autograd._IMPLS.items()})
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.ops = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.ops.append(str(func))
+            return func(*args, **(kwargs or {}))
+
+    a, b = torch.randn(5, 4), torch.randn(4, 3)
+    want = a @ b
+    assert torch.equal(abft.matmul(a, b), want) and direct == ["matmul"]
+    direct.clear()
+    with Seen() as seen:
+        assert torch.equal(abft.matmul(a, b), want)
+    assert direct == [] and "abft.matmul.default" in seen.ops
+    x = a.clone().requires_grad_()
+    abft.matmul(x, b).sum().backward()
+    assert direct == ["grad_product"] and torch.equal(x.grad, torch.ones(5, 3) @ b.T)
+    assert not abft.flush() and abft.stats()["checked_calls"] == 4

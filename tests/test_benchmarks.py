@@ -25,6 +25,8 @@ def test_fixedcost_measures_the_api_and_the_check(capsys):
     assert "abft.matmul + flush - plain" in text and "torch ops" in text
     assert out["api_ms"] > 0 and out["check_ms"] > 0 and 0 < out["ops"] < 2000
     assert out["torch"]["check_ms"] > 0 and 100 < out["torch"]["ops"] < 2000
+    alone = fixedcost.main(pairs=10, warmup=3, alone=True)
+    assert "torch" not in alone and alone["api_ms"] > 0 and alone["ops"] == out["ops"]
 
 
 def test_fixedcost_alternates_with_another_kernels_tree(capsys):

@@ -171,7 +171,7 @@ def test_bf16_flushed_subnormal_inputs_do_not_alarm():
     ctx = CallContext("mm", "forward", {}, 0, tuple(c.shape), c.dtype)
     with abft.config(tiles=(64, 64)) as s:
         p = _check(pb, ctx, s)
-    assert p.summary.tolist()[:2] == [0.0, 0.0]
+    assert tuple(p.summary)[:2] == (0.0, 0.0)
 
 
 def test_bf16_products_flushed_to_zero_do_not_alarm():

@@ -87,13 +87,28 @@ static inline double pow2(double e) {
 static int threads_for(int nt, double work) { return work < 3e4 ? 1 : nt; }
 
 #ifdef ABFT_PROFILE
-// -DABFT_PROFILE: the time since the previous stage, on stderr
+// -DABFT_PROFILE: each stage's mean time since the previous stage, on stderr every 1000 checks
+// and at the first (printing inside the timed path would be timed)
 static void prof(const char* name) {
-    static double last = 0;
+    static double last = 0, sums[16] = {0};
+    static const char* names[16];
+    static int stage = 0, calls = 0;
     double now = omp_get_wtime();
-    if (name[0] != '>') fprintf(stderr, "%s %.3f ms  ", name, (now - last) * 1e3);
-    if (name[0] == '.') fprintf(stderr, "\n");
-    last = now;
+    if (name[0] == '>') {
+        stage = 0;
+    } else if (stage < 16) {
+        names[stage] = name;
+        sums[stage++] += now - last;
+    }
+    if (name[0] == '.' && (++calls == 1 || calls % 1000 == 0)) {
+        int n = calls == 1 ? 1 : 1000;
+        for (int i = 0; i < stage; i++) {
+            fprintf(stderr, "%s %.4f ms  ", names[i], sums[i] / n * 1e3);
+            sums[i] = 0;
+        }
+        fprintf(stderr, "\n");
+    }
+    last = omp_get_wtime();
 }
 #endif
 
@@ -161,6 +176,16 @@ struct StatsOut {
     double *e, *r1, *rinf, *E, *x1, *xinf, *xs1, *xsinf, *nu, *s, *absum, *times;
     uint8_t *finite, *low;
 };
+
+// INV[n] = 1.0 / n for the counts of equal samples (n <= 64), INF for 0
+static const struct Inv {
+    double v[65];
+    Inv() {
+        v[0] = INF;
+        for (int n = 1; n <= 64; n++) v[n] = 1.0 / n;
+    }
+    double operator[](int n) const { return v[n]; }
+} INV;
 
 template <typename T>
 static void stats_block(const T* x, i64 R, i64 K, i64 sr, i64 sk, i64 bs, i64 p, const i64* places,
@@ -392,7 +417,7 @@ static void stats_block(const T* x, i64 R, i64 K, i64 sr, i64 sk, i64 bs, i64 p,
         }
         double distinct = 0.0, repeated = 0.0;
         for (i64 j = 0; j < np; j++) {
-            distinct += same[j] > 0 ? 1.0 / same[j] : INF;
+            distinct += INV[(int)same[j]];          // 1 / same[j] (INF for 0), without a division
             repeated = std::max(repeated, v[j] != 0 ? same[j] : 0.0);
         }
         const i64 quarter = std::max<i64>(2, np / 4);
