@@ -191,6 +191,7 @@ class checked(TorchFunctionMode):
         self._hooks = []
         self._model = model
         self._checkpoint = None
+        self._saved = []          # (passing, sdpa) of this thread at each entry (``_save``)
 
     def _recompute_context(self):
         """torch.utils.checkpoint's ``context_fn`` while the block is open: the recomputation
@@ -254,7 +255,7 @@ class checked(TorchFunctionMode):
     def _save(self, sdpa):
         """Entering: this block handles what reaches it (an outer block's pass-through mark is
         cleared until it exits) and sets the SDPA choice of the ``within`` blocks inside it."""
-        self.__dict__.setdefault("_saved", []).append((_state("passing"), _state("sdpa")))
+        self._saved.append((_state("passing"), _state("sdpa")))
         _local.passing, _local.sdpa = False, sdpa
 
     def _restore(self):

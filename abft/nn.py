@@ -164,9 +164,9 @@ def protect(model, *, cache_weight_checksums=True, prefix=""):
         if isinstance(mod, _Checked):
             summary["already"].append(qual)
             continue
-        kind = _kind(mod)
         if id(mod) in unused:
             continue
+        kind = _kind(mod)
         if kind == "linear" and _own_forward(type(mod)):
             summary["own_forward"].append(qual)       # kept as it is (module docstring)
         elif kind is not None:

@@ -59,7 +59,7 @@ def summarize(verdict):
             unverified = sum(r[L.STATUS] == L.UNVERIFIED for r in rows)
             worst = max((max(r[L.ROW_RATIO], r[L.COL_RATIO]) for r in rows), default=0.0)
         else:
-            alarmed = ((v[:, L.ROW_RATIO] > 1) | (v[:, L.COL_RATIO] > 1) | (v[:, L.STATUS] == L.NONFINITE)).sum()
+            alarmed = L.alarmed(v).sum()
             unverified = (v[:, L.STATUS] == L.UNVERIFIED).sum()
             worst = np.maximum(v[:, L.ROW_RATIO], v[:, L.COL_RATIO]).max()
         return (float(alarmed), float(unverified), float(len(v)), float(worst))
