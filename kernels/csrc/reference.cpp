@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <type_traits>
 #include <vector>
 #ifdef ABFT_PROFILE
 #include <cstdio>
@@ -112,18 +113,35 @@ static void prof(const char* name) {
 }
 #endif
 
+// Reductions in LANES independent accumulators, combined in a fixed order.
+constexpr int LANES = 16;
+static inline double lanes_sum(const double* l) {
+    double h[LANES / 2];
+    for (int i = 0; i < LANES / 2; i++) h[i] = l[i] + l[i + LANES / 2];
+    double q[4];
+    for (int i = 0; i < 4; i++) q[i] = h[i] + h[i + 4];
+    return (q[0] + q[2]) + (q[1] + q[3]);
+}
+static inline double lanes_max(const double* l) {
+    double m = l[0];
+    for (int i = 1; i < LANES; i++) m = l[i] > m ? l[i] : m;
+    return m;
+}
+
 // out[q * os] = m * sum_k v[k] rows[q * K + k] for q < n: one vector against n rows, four at a time
-static void dots(const double* v, const double* rows, i64 n, i64 K, double m, double* out, i64 os) {
+template <typename V>
+static void dots(const V* v, const double* rows, i64 n, i64 K, double m, double* out, i64 os) {
     i64 q = 0;
     for (; q + 4 <= n; q += 4) {
         const double *q0 = rows + q * K, *q1 = q0 + K, *q2 = q1 + K, *q3 = q2 + K;
         double a0 = 0, a1 = 0, a2 = 0, a3 = 0;
 #pragma omp simd reduction(+ : a0, a1, a2, a3)
         for (i64 k = 0; k < K; k++) {
-            a0 += v[k] * q0[k];
-            a1 += v[k] * q1[k];
-            a2 += v[k] * q2[k];
-            a3 += v[k] * q3[k];
+            const double vk = cvt(v[k]);
+            a0 += vk * q0[k];
+            a1 += vk * q1[k];
+            a2 += vk * q2[k];
+            a3 += vk * q3[k];
         }
         out[q * os] = a0 * m;
         out[(q + 1) * os] = a1 * m;
@@ -132,15 +150,19 @@ static void dots(const double* v, const double* rows, i64 n, i64 K, double m, do
     }
     for (; q < n; q++) {
         const double* rq = rows + q * K;
-        double a = 0;
-#pragma omp simd reduction(+ : a)
-        for (i64 k = 0; k < K; k++) a += v[k] * rq[k];
-        out[q * os] = a * m;
+        alignas(64) double a[LANES] = {};
+        i64 k = 0;
+        for (; k + LANES <= K; k += LANES)
+#pragma omp simd
+            for (int l = 0; l < LANES; l++) a[l] += cvt(v[k + l]) * rq[k + l];
+        for (; k < K; k++) a[0] += cvt(v[k]) * rq[k];
+        out[q * os] = lanes_sum(a) * m;
     }
 }
 
 // dots for two vectors at once (each row loaded once for both): o0 from v0 (times m0), o1 from v1
-static void dots2(const double* v0, const double* v1, const double* rows, i64 n, i64 K, double m0,
+template <typename V>
+static void dots2(const V* v0, const V* v1, const double* rows, i64 n, i64 K, double m0,
                   double m1, double* o0, double* o1, i64 os) {
     i64 q = 0;
     for (; q + 4 <= n; q += 4) {
@@ -148,14 +170,15 @@ static void dots2(const double* v0, const double* v1, const double* rows, i64 n,
         double a0 = 0, a1 = 0, a2 = 0, a3 = 0, b0 = 0, b1 = 0, b2 = 0, b3 = 0;
 #pragma omp simd reduction(+ : a0, a1, a2, a3, b0, b1, b2, b3)
         for (i64 k = 0; k < K; k++) {
-            a0 += v0[k] * q0[k];
-            a1 += v0[k] * q1[k];
-            a2 += v0[k] * q2[k];
-            a3 += v0[k] * q3[k];
-            b0 += v1[k] * q0[k];
-            b1 += v1[k] * q1[k];
-            b2 += v1[k] * q2[k];
-            b3 += v1[k] * q3[k];
+            const double x = cvt(v0[k]), y = cvt(v1[k]);
+            a0 += x * q0[k];
+            a1 += x * q1[k];
+            a2 += x * q2[k];
+            a3 += x * q3[k];
+            b0 += y * q0[k];
+            b1 += y * q1[k];
+            b2 += y * q2[k];
+            b3 += y * q3[k];
         }
         o0[q * os] = a0 * m0; o0[(q + 1) * os] = a1 * m0; o0[(q + 2) * os] = a2 * m0; o0[(q + 3) * os] = a3 * m0;
         o1[q * os] = b0 * m1; o1[(q + 1) * os] = b1 * m1; o1[(q + 2) * os] = b2 * m1; o1[(q + 3) * os] = b3 * m1;
@@ -187,9 +210,149 @@ static const struct Inv {
     double operator[](int n) const { return v[n]; }
 } INV;
 
+// stats.low_entropy of one row (sampled at np places of stride sk), torch's formula branch-free:
+// same_j = how many samples equal sample j (0 for NaN), distinct = sum_j 1 / same_j, repeated =
+// the largest same_j of a nonzero sample. The samples are compared in S (float holds every
+// half-precision and float value exactly: the same equalities, twice the lanes of double).
+// Padded with NaN to 16 or 64 samples: a NaN equals nothing, so padding counts nowhere.
+template <typename S, typename T>
+static bool low_entropy(const T* row, i64 sk, const i64* places, i64 np) {
+    using C = std::conditional_t<sizeof(S) == 8, int64_t, int32_t>;    // lanes as wide as S
+    alignas(64) S v[64];
+    alignas(64) C same[64];
+    const int npad = np <= 16 ? 16 : 64;
+    for (int j = 0; j < npad; j++) {
+        v[j] = j < np ? (S)cvt(row[places[j] * sk]) : (S)NaN;
+        same[j] = 0;
+    }
+    if (npad == 16) {
+        for (int l = 0; l < 16; l++) {
+            const S vl = v[l];
+#pragma omp simd
+            for (int j = 0; j < 16; j++) same[j] += v[j] == vl ? 1 : 0;
+        }
+    } else {
+        for (int l = 0; l < 64; l++) {
+            const S vl = v[l];
+#pragma omp simd
+            for (int j = 0; j < 64; j++) same[j] += v[j] == vl ? 1 : 0;
+        }
+    }
+    const i64 quarter = std::max<i64>(2, np / 4);
+    C most = 0;
+    for (int j = 0; j < npad; j++) most = same[j] > most ? same[j] : most;
+    if (most <= 1) {          // no two samples equal (the usual case): same_j is 1, or 0 for NaN
+        bool nan = false, nonzero = false;
+        for (i64 j = 0; j < np; j++) {
+            nan |= v[j] != v[j];
+            nonzero |= v[j] != 0 && v[j] == v[j];
+        }
+        return (!nan && np <= quarter + 0.5) || ((nonzero ? 1 : 0) >= quarter);
+    }
+    // distinct is a count of distinct samples up to rounding (INF with a NaN among them), compared
+    // with a half-integer: the order of its additions cannot change the answer
+    double distinct = 0.0;
+    C repeated = 0;
+    for (i64 j = 0; j < np; j++) {
+        distinct += INV[(int)same[j]];          // 1 / same[j] (INF for 0), without a division
+        C r = v[j] != 0 ? same[j] : 0;
+        repeated = r > repeated ? r : repeated;
+    }
+    return (distinct <= quarter + 0.5) || (repeated >= quarter);
+}
+
+// One or two contiguous rows (NR; x1 unread when 1): per row max |x| (NaN dropped: the caller
+// redoes a row whose sum of squares is not finite) and sum of squares, in LANES accumulators;
+// the rows' values and squares added into the column accumulators bsum and bsq.
+template <int NR, typename T>
+static void row_pass(const T* __restrict x0, const T* __restrict x1, i64 K, double* __restrict bsum,
+                     double* __restrict bsq, double* amax, double* rsq) {
+    constexpr int L = LANES / 2;          // two rows' accumulators: as many registers as one's
+    alignas(64) double m0[L] = {}, s0[L] = {}, m1[L] = {}, s1[L] = {};
+    i64 k = 0;
+    for (; k + L <= K; k += L) {
+#pragma omp simd
+        for (int l = 0; l < L; l++) {
+            double v = cvt(x0[k + l]), av = std::fabs(v);
+            m0[l] = m0[l] > av ? m0[l] : av;
+            s0[l] += v * v;
+            if (NR == 2) {
+                double w = cvt(x1[k + l]), aw = std::fabs(w);
+                m1[l] = m1[l] > aw ? m1[l] : aw;
+                s1[l] += w * w;
+                bsum[k + l] += v + w;
+                bsq[k + l] += v * v + w * w;
+            } else {
+                bsum[k + l] += v;
+                bsq[k + l] += v * v;
+            }
+        }
+    }
+    for (; k < K; k++) {
+        double v = cvt(x0[k]), av = std::fabs(v);
+        m0[0] = m0[0] > av ? m0[0] : av;
+        s0[0] += v * v;
+        bsum[k] += v;
+        bsq[k] += v * v;
+        if (NR == 2) {
+            double w = cvt(x1[k]), aw = std::fabs(w);
+            m1[0] = m1[0] > aw ? m1[0] : aw;
+            s1[0] += w * w;
+            bsum[k] += w;
+            bsq[k] += w * w;
+        }
+    }
+    auto sum = [](const double* a) {
+        double h[4];
+        for (int i = 0; i < 4; i++) h[i] = a[i] + a[i + 4];
+        return (h[0] + h[2]) + (h[1] + h[3]);
+    };
+    auto mx = [](const double* a) {
+        double m = a[0];
+        for (int i = 1; i < L; i++) m = a[i] > m ? a[i] : m;
+        return m;
+    };
+    amax[0] = mx(m0);
+    rsq[0] = sum(s0);
+    if (NR == 2) {
+        amax[1] = mx(m1);
+        rsq[1] = sum(s1);
+    }
+}
+
+// The largest number of equal pairs (a_r, b_r) among the rows r < n with ok_r and b_r not NaN
+// (1 when none repeats), counted in a hash table (a sort costs more than the block's statistics).
+static i64 most_equal(const double* a, const double* b, const uint8_t* ok, i64 n) {
+    thread_local std::vector<uint64_t> ka, kb;
+    thread_local std::vector<i64> cnt;
+    int bits = 4;
+    while ((i64(1) << bits) < 2 * n) bits++;
+    const size_t size = size_t(1) << bits, mask = size - 1;
+    if (ka.size() < size) {
+        ka.resize(size);
+        kb.resize(size);
+        cnt.resize(size);
+    }
+    std::fill(cnt.begin(), cnt.begin() + size, 0);
+    i64 best = 1;
+    for (i64 r = 0; r < n; r++) {
+        if (!ok[r] || b[r] != b[r]) continue;
+        double x = a[r] + 0.0, y = b[r] + 0.0;         // -0 as +0: equal as doubles, one key
+        uint64_t u, v;
+        std::memcpy(&u, &x, 8);
+        std::memcpy(&v, &y, 8);
+        size_t h = (size_t)(((u * 0x9E3779B97F4A7C15ull) ^ v) * 0xC2B2AE3D27D4EB4Full >> (64 - bits));
+        while (cnt[h] != 0 && (ka[h] != u || kb[h] != v)) h = (h + 1) & mask;
+        ka[h] = u;
+        kb[h] = v;
+        best = std::max(best, ++cnt[h]);
+    }
+    return best;
+}
+
 template <typename T>
 static void stats_block(const T* x, i64 R, i64 K, i64 sr, i64 sk, i64 bs, i64 p, const i64* places,
-                        i64 np, const double* rhs, i64 S, bool need_abs, bool pre, StatsOut o,
+                        i64 np, const double* rhs, i64 S, bool need_abs, bool need_low, bool pre, StatsOut o,
                         i64 rbase, i64 tbase, double* bsum, double* bsq, double* babs, double* buf) {
     i64 i0 = p * bs, i1 = std::min(R, i0 + bs), nr = i1 - i0;
     bool rowmajor = !(sr == 1 && sk != 1 && R > 1);
@@ -231,27 +394,67 @@ static void stats_block(const T* x, i64 R, i64 K, i64 sr, i64 sk, i64 bs, i64 p,
     if (need_abs) std::fill(babs, babs + K, 0.0);
     double* tm = o.times ? o.times + (rbase + i0) * S : nullptr;
     if (tm) std::fill(tm, tm + nr * S, 0.0);
-    if (rowmajor) {
+    if (rowmajor && !pre && sk == 1) {
+        // contiguous rows two at a time, read in their own type (no float64 copy): each pass
+        // over the block's column accumulators adds two rows
+        for (i64 i = i0; i < i1; i += 2) {
+            const i64 r = i - i0;
+            const T* x0 = x + i * sr;
+            if (i + 1 < i1)
+                row_pass<2>(x0, x0 + sr, K, bsum, bsq, &amax[r], &rsq[r]);
+            else
+                row_pass<1>(x0, x0, K, bsum, bsq, &amax[r], &rsq[r]);
+            for (i64 rr = r; rr < std::min(r + 2, nr); rr++) {
+                const T* xr = x + (i0 + rr) * sr;
+                if (!fin(rsq[rr])) {          // a non-finite element: its max, as torch takes it
+                    double m = 0.0;
+                    for (i64 k = 0; k < K; k++) m = nmax(m, std::fabs(cvt(xr[k])));
+                    amax[rr] = m;
+                }
+                if (need_abs)
+                    for (i64 k = 0; k < K; k++) babs[k] += std::fabs(cvt(xr[k]));
+            }
+            if (tm && i + 1 < i1)
+                dots2(x0, x0 + sr, rhs, S, K, 1.0, 1.0, tm + r * S, tm + (r + 1) * S, 1);
+            else if (tm)
+                dots(x0, rhs, S, K, 1.0, tm + r * S, 1);
+        }
+    } else if (rowmajor) {
         double* buf2 = buf;
         for (i64 i = i0; i < i1; i++) {
             i64 r = i - i0;
             double m = 0.0, sq = 0.0, rs = rowsc[r], bsc = blksc[r];
             const T* xr = x + i * sr;
             double* buf = buf2 + (r % 2) * K;        // two rows' values: the row predictions in pairs
-            if (sk == 1) {
-                for (i64 k = 0; k < K; k++) buf[k] = cvt(xr[k]);
-            } else {
+            if (pre || sk != 1)
                 for (i64 k = 0; k < K; k++) buf[k] = cvt(xr[k * sk]);
-            }
             if (!pre) {
-#pragma omp simd reduction(max : m) reduction(+ : sq)
-                for (i64 k = 0; k < K; k++) {
-                    double v = buf[k];
-                    m = std::max(m, std::fabs(v));
-                    sq += v * v;
+                // LANES independent accumulators (one per lane: GCC's omp-simd reduction keeps a
+                // single vector, whose latency then bounds the loop)
+                alignas(64) double ml[LANES] = {}, sl[LANES] = {};
+                const bool copy = sk == 1;
+                i64 k = 0;
+                for (; k + LANES <= K; k += LANES) {
+#pragma omp simd
+                    for (int l = 0; l < LANES; l++) {
+                        double v = copy ? cvt(xr[k + l]) : buf[k + l], av = std::fabs(v);
+                        if (copy) buf[k + l] = v;
+                        ml[l] = ml[l] > av ? ml[l] : av;     // NaN dropped: fixed below
+                        sl[l] += v * v;
+                        bsum[k + l] += v;
+                        bsq[k + l] += v * v;
+                    }
+                }
+                for (; k < K; k++) {
+                    double v = copy ? cvt(xr[k]) : buf[k], av = std::fabs(v);
+                    if (copy) buf[k] = v;
+                    ml[0] = ml[0] > av ? ml[0] : av;
+                    sl[0] += v * v;
                     bsum[k] += v;
                     bsq[k] += v * v;
                 }
+                m = lanes_max(ml);
+                sq = lanes_sum(sl);
                 if (!fin(sq)) {               // a non-finite element: its max, as torch takes it
                     m = 0.0;
                     for (i64 k = 0; k < K; k++) m = nmax(m, std::fabs(buf[k]));
@@ -281,34 +484,38 @@ static void stats_block(const T* x, i64 R, i64 K, i64 sr, i64 sk, i64 bs, i64 p,
         for (i64 k = 0; k < K; k++) {
             const T* xk = x + k * sk + i0;
             double s = 0.0, s2 = 0.0, sa = 0.0;
-            for (i64 r = 0; r < nr; r++) buf[r] = cvt(xk[r]);
+            if (pre)
+                for (i64 r = 0; r < nr; r++) buf[r] = cvt(xk[r]);
             if (!pre) {
                 double* __restrict am = amax.data();
                 double* __restrict rq = rsq.data();
-                const double* __restrict bf = buf;
-                // four lanes by hand (GCC runs its omp-simd reduction of this loop scalar)
-                double l1[4] = {0, 0, 0, 0}, l2[4] = {0, 0, 0, 0}, la[4] = {0, 0, 0, 0};
+                double* __restrict bf = buf;
+                alignas(64) double l1[LANES] = {}, l2[LANES] = {}, la[LANES] = {};
                 i64 r = 0;
-                for (; r + 4 <= nr; r += 4)
-                    for (int l = 0; l < 4; l++) {
-                        double v = bf[r + l], av = std::fabs(v);
+                for (; r + LANES <= nr; r += LANES) {
+#pragma omp simd
+                    for (int l = 0; l < LANES; l++) {
+                        double v = cvt(xk[r + l]), av = std::fabs(v);
+                        bf[r + l] = v;
                         am[r + l] = am[r + l] > av ? am[r + l] : av;     // NaN dropped: fixed below
                         rq[r + l] += v * v;
                         l1[l] += v;
                         l2[l] += v * v;
                         la[l] += av;
                     }
+                }
                 for (; r < nr; r++) {
-                    double v = bf[r], av = std::fabs(v);
+                    double v = cvt(xk[r]), av = std::fabs(v);
+                    bf[r] = v;
                     am[r] = am[r] > av ? am[r] : av;
                     rq[r] += v * v;
                     l1[0] += v;
                     l2[0] += v * v;
                     la[0] += av;
                 }
-                s = (l1[0] + l1[1]) + (l1[2] + l1[3]);
-                s2 = (l2[0] + l2[1]) + (l2[2] + l2[3]);
-                sa = (la[0] + la[1]) + (la[2] + la[3]);
+                s = lanes_sum(l1);
+                s2 = lanes_sum(l2);
+                sa = lanes_sum(la);
             } else {
                 for (i64 r = 0; r < nr; r++) {
                     double v = buf[r] * rowsc[r], vb = buf[r] * blksc[r], f = blksc[r] / rowsc[r];
@@ -375,60 +582,24 @@ static void stats_block(const T* x, i64 R, i64 K, i64 sr, i64 sk, i64 bs, i64 p,
     o.xs1[t] = xs1;
     o.xsinf[t] = xsinf;
     // nu: the largest number of rows with equal (exponent, scaled sum of squares)
-    std::vector<std::pair<double, double>> keys;
-    keys.reserve(nr);
-    for (i64 r = 0; r < nr; r++) {
-        i64 g = rbase + i0 + r;
-        if (o.finite[g] && o.r1[g] == o.r1[g]) keys.emplace_back(o.e[g], o.r1[g]);
-    }
-    std::sort(keys.begin(), keys.end());
-    i64 best = 1, run = 0;
-    for (size_t j = 0; j < keys.size(); j++) {
-        run = (j && keys[j] == keys[j - 1]) ? run + 1 : 1;
-        best = std::max(best, run);
-    }
+    i64 best = most_equal(o.e + rbase + i0, o.r1 + rbase + i0, o.finite + rbase + i0, nr);
     o.nu[t] = (double)best;
     // stats.low_entropy: np sampled places
     for (i64 i = i0; i < i1; i++) {
         i64 g = rbase + i;
-        if (K == 0) {
-            o.low[g] = 1;
+        if (K == 0 || !need_low) {
+            o.low[g] = K == 0;
             continue;
         }
-        // torch's formula, branch-free: same_j = how many samples equal sample j (0 for NaN),
-        // distinct = sum_j 1 / same_j, repeated = the largest same_j of a nonzero sample.
-        // Padded with NaN to 16 or 64 samples: a NaN equals nothing, so padding counts nowhere.
-        alignas(32) double v[64], same[64];
-        const i64 npad = np <= 16 ? 16 : 64;
-        for (i64 j = 0; j < npad; j++) {
-            v[j] = j < np ? at(i, places[j]) : NaN;
-            same[j] = 0.0;
-        }
-        if (npad == 16) {
-            for (int l = 0; l < 16; l++) {
-                const double vl = v[l];
-                for (int j = 0; j < 16; j++) same[j] += v[j] == vl ? 1.0 : 0.0;
-            }
-        } else {
-            for (int l = 0; l < 64; l++) {
-                const double vl = v[l];
-                for (int j = 0; j < 64; j++) same[j] += v[j] == vl ? 1.0 : 0.0;
-            }
-        }
-        double distinct = 0.0, repeated = 0.0;
-        for (i64 j = 0; j < np; j++) {
-            distinct += INV[(int)same[j]];          // 1 / same[j] (INF for 0), without a division
-            repeated = std::max(repeated, v[j] != 0 ? same[j] : 0.0);
-        }
-        const i64 quarter = std::max<i64>(2, np / 4);
-        o.low[g] = (distinct <= quarter + 0.5) || (repeated >= quarter);
+        o.low[g] = sizeof(T) == 8 ? low_entropy<double>(x + i * sr, sk, places, np)
+                                  : low_entropy<float>(x + i * sr, sk, places, np);
     }
 }
 
 template <typename T>
 static void stats_t(const void* xv, i64 nb, const i64* offs, i64 R, i64 K, i64 sr, i64 sk, i64 bs,
                     const i64* places, i64 np, const double* rhs, const i64* rhs_idx, i64 S,
-                    bool need_abs, bool pre, int nt, StatsOut o) {
+                    bool need_abs, bool need_low, bool pre, int nt, StatsOut o) {
     const T* x = (const T*)xv;
     i64 tb = (R + bs - 1) / bs, jobs = nb * tb;
     bool rowmajor = !(sr == 1 && sk != 1 && R > 1);
@@ -440,7 +611,7 @@ static void stats_t(const void* xv, i64 nb, const i64* offs, i64 R, i64 K, i64 s
         for (i64 job = 0; job < jobs; job++) {
             i64 b = job / tb, p = job % tb;
             stats_block<T>(x + offs[b], R, K, sr, sk, bs, p, places, np,
-                           rhs ? rhs + rhs_idx[b] * S * K : nullptr, S, need_abs, pre, o, b * R, b * tb,
+                           rhs ? rhs + rhs_idx[b] * S * K : nullptr, S, need_abs, need_low, pre, o, b * R, b * tb,
                            bsum.data(), bsq.data(), babs.data(), buf.data());
         }
     }
@@ -465,7 +636,7 @@ extern "C" int abft_stats(int dt, const void* x, i64 nb, const i64* offs, i64 R,
     StatsOut o{e, r1, rinf, E, x1, xinf, xs1, xsinf, nu, s, absum, times, finite, low};
     bool pre = dt == DT_F64;
     DISPATCH(dt, stats_t, x, nb, offs, R, K, sr, sk, bs, places, np, rhs, rhs_idx, S, need_abs != 0,
-             pre, nt, o);
+             true, pre, nt, o);
     return 0;
 }
 
@@ -642,6 +813,35 @@ static void add_columns(const double* __restrict x, const double* __restrict y, 
             cs[j] += (std::fabs(x[j]) < tiny ? 1.0 : 0.0) + (y && std::fabs(y[j]) < tiny ? 1.0 : 0.0);
 }
 
+// seg[j] = x[j] as float64 (KEEP) and the sums of x, x^2 and |x| over j < w, in LANES
+// accumulators each
+template <bool KEEP, typename T>
+static void load_sums(const T* __restrict x, i64 w, double* __restrict seg, double& s1, double& s2,
+                      double& sa) {
+    alignas(64) double a1[LANES] = {}, a2[LANES] = {}, aa[LANES] = {};
+    i64 j = 0;
+    for (; j + LANES <= w; j += LANES) {
+#pragma omp simd
+        for (int l = 0; l < LANES; l++) {
+            double v = cvt(x[j + l]);
+            if (KEEP) seg[j + l] = v;
+            a1[l] += v;
+            a2[l] += v * v;
+            aa[l] += std::fabs(v);
+        }
+    }
+    for (; j < w; j++) {
+        double v = cvt(x[j]);
+        if (KEEP) seg[j] = v;
+        a1[0] += v;
+        a2[0] += v * v;
+        aa[0] += std::fabs(v);
+    }
+    s1 = lanes_sum(a1);
+    s2 = lanes_sum(a2);
+    sa = lanes_sum(aa);
+}
+
 // Statistics kept in the library's own memory (A's always, B's unless the caller kept them).
 struct StatsBuf {
     std::vector<double> e, r1, rinf, E, x1, xinf, xs1, xsinf, nu, s, absum, times;
@@ -690,16 +890,19 @@ static void check_t(CheckArgs g) {
     if (g.B.e == nullptr) {
         StatsOut o = bs_.out(g.nbb, N, TN, K, g.cap != 0, 0);
         stats_t<T>(g.b, g.nbb, g.offbb, N, K, g.sbn, g.sbk, bn, g.places, g.np, nullptr, nullptr, 0,
-                   g.cap != 0, g.dt == DT_F64, g.nt, o);
+                   g.cap != 0, true, g.dt == DT_F64, g.nt, o);
         g.B = side_of(o);
         g.absB = o.absum;
         g.sB = o.s;
     }
     STAGE("statsB");
     {
+        // A's low-entropy rows count only beside a low-entropy column of B (none: not sampled)
+        bool b_low = false;
+        for (i64 j = 0; j < g.nbb * N; j++) b_low |= g.B.low[j] != 0;
         StatsOut o = as_.out(g.nbc, M, TM, K, g.cap != 0, TN);
         stats_t<T>(g.a, g.nbc, g.offa, M, K, g.sam, g.sak, bm, g.places, g.np, g.sB, g.ib, TN,
-                   g.cap != 0, g.dt == DT_F64, g.nt, o);
+                   g.cap != 0, b_low, g.dt == DT_F64, g.nt, o);
         g.A = side_of(o);
         g.times = o.times;
         g.sA = o.s;
@@ -774,10 +977,13 @@ static void check_t(CheckArgs g) {
                     for (int src = 0; src < (has_d ? 2 : 1); src++) {
                         double* seg = segs.data() + (src * 2 + i % 2) * bn;
                         double* zc = zcs.data() + (src * 2 + i % 2) * bn;
+                        double s1 = 0, s2 = 0, sa = 0, ns = 0, nf = 0;
+                        bool summed = false;
                         if (src == 0) {
                             const T* ci = c + i * g.scm + j0 * g.scn;
-                            if (g.scn == 1) {
-                                for (i64 j = 0; j < w; j++) seg[j] = cvt(ci[j]);
+                            if (g.scn == 1 && !pre) {
+                                load_sums<true>(ci, w, seg, s1, s2, sa);
+                                summed = true;
                             } else {
                                 for (i64 j = 0; j < w; j++) seg[j] = cvt(ci[j * g.scn]);
                             }
@@ -797,14 +1003,7 @@ static void check_t(CheckArgs g) {
                             vc = zc;
                             vr = zr.data();
                         }
-                        double s1 = 0, s2 = 0, sa = 0, ns = 0, nf = 0;
-#pragma omp simd reduction(+ : s1, s2, sa)
-                        for (i64 j = 0; j < w; j++) {
-                            double x = vr[j];
-                            s1 += x;
-                            s2 += x * x;
-                            sa += std::fabs(x);
-                        }
+                        if (!summed) load_sums<false>(vr, w, (double*)nullptr, s1, s2, sa);
                         if (tiny > 0) {
 #pragma omp simd reduction(+ : ns)
                             for (i64 j = 0; j < w; j++) ns += std::fabs(vr[j]) < tiny ? 1.0 : 0.0;
