@@ -648,7 +648,7 @@ static void thin_t(const T* b, i64 K, i64 N, i64 sk, i64 sn, const double* s, i6
                    bool absb, bool pre, int nt, double* out) {
     if (sn == 1 || sk != 1) {
         // rows of b contiguous (or neither): out[:, strip] += s[:, k] * b[k, strip]
-        i64 W = std::max<i64>(16, std::min<i64>(512, (1 << 11) / std::max<i64>(TM, 1)));
+        i64 W = std::min(N, std::max<i64>(16, std::min<i64>(512, (1 << 11) / std::max<i64>(TM, 1))));
         i64 strips = (N + W - 1) / W;
 #pragma omp parallel num_threads(threads_for(nt, (double)TM * K * N))
         {
@@ -675,7 +675,21 @@ static void thin_t(const T* b, i64 K, i64 N, i64 sk, i64 sn, const double* s, i6
                         }
                     }
                     const double *r0 = row.data(), *r1 = r0 + W, *r2 = r1 + W, *r3 = r2 + W;
-                    for (i64 p = 0; p < TM; p++) {
+                    // two rows of out at a time: each load of b's four rows serves both
+                    i64 p = 0;
+                    for (; p + 2 <= TM; p += 2) {
+                        const double *sp = s + p * K + k0, *sq = sp + K;
+                        double a0 = sp[0], a1 = kn > 1 ? sp[1] : 0, a2 = kn > 2 ? sp[2] : 0, a3 = kn > 3 ? sp[3] : 0;
+                        double b0 = sq[0], b1 = kn > 1 ? sq[1] : 0, b2 = kn > 2 ? sq[2] : 0, b3 = kn > 3 ? sq[3] : 0;
+                        double *op = out + p * N + j0, *oq = op + N;
+#pragma omp simd
+                        for (i64 j = 0; j < w; j++) {
+                            const double x0 = r0[j], x1 = r1[j], x2 = r2[j], x3 = r3[j];
+                            op[j] += (a0 * x0 + a1 * x1) + (a2 * x2 + a3 * x3);
+                            oq[j] += (b0 * x0 + b1 * x1) + (b2 * x2 + b3 * x3);
+                        }
+                    }
+                    for (; p < TM; p++) {
                         const double* sp = s + p * K + k0;
                         double a0 = sp[0], a1 = kn > 1 ? sp[1] : 0, a2 = kn > 2 ? sp[2] : 0, a3 = kn > 3 ? sp[3] : 0;
                         double* op = out + p * N + j0;
@@ -713,11 +727,18 @@ static void thin_t(const T* b, i64 K, i64 N, i64 sk, i64 sn, const double* s, i6
 }
 
 // ---------------------------------------------------------------------------------------------
-// The threshold of one checked sum (threshold.threshold, term for term).
+// eta^2 / 3 of the threshold's eta term for a sum whose first side's exponent is ex (one exp2 for
+// all the sums that share ex)
+static double eta2_of(const double* c, double ex) {
+    double eta = std::exp2(std::max(c[ETA_LOG2] - c[ETA_ABSOLUTE] * ex, -1000.0));
+    return eta * eta / 3;
+}
+
+// The threshold of one checked sum (threshold.threshold, term for term; eta2 = eta2_of(c, ex)).
 static double threshold(const double* c, double s1, double s2, double sa, double pred, double x1,
                         double xinf, double xs1, double xsinf, double y1, double yinf, double nu,
                         bool low, double ex, double ey, bool has_d, double d2, double da, bool has_t,
-                        double t, double nout) {
+                        double t, double nout, double eta2) {
     double q = nmin(x1 * yinf, xinf * y1), qs = nmin(xs1 * yinf, xsinf * y1);
     double prod = c[P_S2] * s2 + c[P_Q] * q;
     if (has_d) prod += c[P_D2] * d2;
@@ -728,8 +749,7 @@ static double threshold(const double* c, double s1, double s2, double sa, double
     bool skipped_bad = false;
     auto skip = [&](double v) { skipped_bad |= !fin(v); };
     if (c[ETA_LOG2] > -1000.0 || c[ETA_ABSOLUTE] != 0) {
-        double eta = std::exp2(std::max(c[ETA_LOG2] - c[ETA_ABSOLUTE] * ex, -1000.0));
-        check += eta * eta / 3 * y1;
+        check += eta2 * y1;
     } else {
         skip(y1);
     }
@@ -788,30 +808,44 @@ static inline void add(Acc& a, double z, double tiny) {
     a.ns += std::fabs(z) < tiny;
 }
 
-// The column sums of one or two clean rows of a tile (y null: one): values, squares (clamped to
-// the largest double, as a corrupted value's may overflow), magnitudes, and (tiny > 0) the count
-// below the half type's normal range.
-static void add_columns(const double* __restrict x, const double* __restrict y, i64 w, double tiny,
-                        double* __restrict c1, double* __restrict c2, double* __restrict ca,
-                        double* __restrict cs) {
+// The column sums of up to four clean rows of a tile (n of them; the others null): values,
+// squares (clamped to the largest double, as a corrupted value's may overflow), magnitudes, and
+// (tiny > 0) the count below the half type's normal range.
+static void add_columns(const double* const* rows, int n, i64 w, double tiny, double* __restrict c1,
+                        double* __restrict c2, double* __restrict ca, double* __restrict cs) {
     auto sq = [](double v) { double vv = v * v; return vv > DMAX ? DMAX : vv; };
-    if (y == nullptr) {
+    const double *__restrict x = rows[0], *__restrict y = rows[1], *__restrict u = rows[2],
+                 *__restrict v = rows[3];
+    if (n == 4) {
         for (i64 j = 0; j < w; j++) {
-            c1[j] += x[j];
-            c2[j] += sq(x[j]);
-            ca[j] += std::fabs(x[j]);
+            c1[j] += (x[j] + y[j]) + (u[j] + v[j]);
+            c2[j] += (sq(x[j]) + sq(y[j])) + (sq(u[j]) + sq(v[j]));
+            ca[j] += (std::fabs(x[j]) + std::fabs(y[j])) + (std::fabs(u[j]) + std::fabs(v[j]));
         }
     } else {
-        for (i64 j = 0; j < w; j++) {
-            c1[j] += x[j] + y[j];
-            c2[j] += sq(x[j]) + sq(y[j]);
-            ca[j] += std::fabs(x[j]) + std::fabs(y[j]);
+        for (int r = 0; r < n; r++) {
+            const double* __restrict z = rows[r];
+            for (i64 j = 0; j < w; j++) {
+                c1[j] += z[j];
+                c2[j] += sq(z[j]);
+                ca[j] += std::fabs(z[j]);
+            }
         }
     }
     if (tiny > 0)
-        for (i64 j = 0; j < w; j++)
-            cs[j] += (std::fabs(x[j]) < tiny ? 1.0 : 0.0) + (y && std::fabs(y[j]) < tiny ? 1.0 : 0.0);
+        for (int r = 0; r < n; r++)
+            for (i64 j = 0; j < w; j++) cs[j] += std::fabs(rows[r][j]) < tiny ? 1.0 : 0.0;
 }
+
+// Clean rows whose column sums wait to be added four at a time
+struct Pending {
+    const double* row[4] = {nullptr, nullptr, nullptr, nullptr};
+    int n = 0;
+    void add(i64 w, double tiny, double* c1, double* c2, double* ca, double* cs) {
+        if (n) add_columns(row, n, w, tiny, c1, c2, ca, cs);
+        n = 0;
+    }
+};
 
 // seg[j] = x[j] as float64 (KEEP) and the sums of x, x^2 and |x| over j < w, in LANES
 // accumulators each
@@ -956,9 +990,9 @@ static void check_t(CheckArgs g) {
 #pragma omp parallel num_threads(threads_for(g.nt, (double)g.nbc * M * N))
     {
         // one tile's column accumulators, one array per sum (C's five, then the addend's five)
-        // (C's and the addend's values of the last two rows: a clean row's column sums wait for the
-        // next clean row, and the two are added in one pass over the accumulators)
-        std::vector<double> cz(bn * nz), scol(bn), segs(4 * bn), zcs(4 * bn), zr(bn);
+        // (C's and the addend's values of the last four rows: a clean row's column sums wait for
+        // three more clean rows, and the four are added in one pass over the accumulators)
+        std::vector<double> cz(bn * nz), scol(bn), segs(8 * bn), zcs(8 * bn), zr(bn);
 #pragma omp for schedule(dynamic, 1)
         for (i64 job = 0; job < jobs; job++) {
             i64 b = job / TM, p = job % TM, bb = g.ib[b];
@@ -971,12 +1005,26 @@ static void check_t(CheckArgs g) {
                 std::fill(cz.begin(), cz.end(), 0.0);
                 for (i64 j = 0; j < w; j++) scol[j] = pow2(-(EA[p] + fB[j0 + j]));
                 const double srow = pow2(-FB[q]);
-                const double* pend[2] = {nullptr, nullptr};
+                Pending pend[2];
+                // an addend repeated down the rows (a bias), finite, summed unscaled: its row sums
+                // are one segment's, taken once; its column sums nr times its values (below)
+                double bias[3] = {0, 0, 0};
+                bool one_row = false;
+                if (has_d && g.sdm == 0 && !pre) {
+                    double* seg = segs.data() + 4 * bn;        // the addend's first slot
+                    for (i64 j = 0; j < w; j++) seg[j] = d[(j0 + j) * g.sdn];
+                    load_sums<false>(seg, w, (double*)nullptr, bias[0], bias[1], bias[2]);
+                    one_row = fin(bias[0]) && fin(bias[1]);
+                }
                 for (i64 i = i0; i < i1; i++) {
                     const double ei = pow2(-eA[i]), sr = ei * srow;
-                    for (int src = 0; src < (has_d ? 2 : 1); src++) {
-                        double* seg = segs.data() + (src * 2 + i % 2) * bn;
-                        double* zc = zcs.data() + (src * 2 + i % 2) * bn;
+                    if (one_row) {
+                        double* z = &rowz[((b * M + i) * TN + q) * nz + 5];
+                        z[0] = bias[0] * sr; z[1] = bias[1] * (sr * sr); z[2] = bias[2] * sr; z[3] = 0; z[4] = 0;
+                    }
+                    for (int src = 0; src < (has_d && !one_row ? 2 : 1); src++) {
+                        double* seg = segs.data() + (src * 4 + i % 4) * bn;
+                        double* zc = zcs.data() + (src * 4 + i % 4) * bn;
                         double s1 = 0, s2 = 0, sa = 0, ns = 0, nf = 0;
                         bool summed = false;
                         if (src == 0) {
@@ -1010,17 +1058,10 @@ static void check_t(CheckArgs g) {
                         }
                         double *c1 = z0, *c2 = z0 + bn, *ca = z0 + 2 * bn, *cn = z0 + 3 * bn, *cs = z0 + 4 * bn;
                         if (fin(s2) && fin(s1)) {
-                            if (pend[src] == nullptr) {
-                                pend[src] = vc;
-                            } else {
-                                add_columns(pend[src], vc, w, tiny, c1, c2, ca, cs);
-                                pend[src] = nullptr;
-                            }
+                            pend[src].row[pend[src].n++] = vc;
+                            if (pend[src].n == 4) pend[src].add(w, tiny, c1, c2, ca, cs);
                         } else {                          // exactly, element by element
-                            if (pend[src] != nullptr) {   // (its buffer is the next row's)
-                                add_columns(pend[src], nullptr, w, tiny, c1, c2, ca, cs);
-                                pend[src] = nullptr;
-                            }
+                            pend[src].add(w, tiny, c1, c2, ca, cs);     // (their buffers are reused)
                             Acc r;
                             for (i64 j = 0; j < w; j++) {
                                 add(r, vr[j], tiny);
@@ -1036,11 +1077,20 @@ static void check_t(CheckArgs g) {
                         z[0] = s1 * f; z[1] = s2 * (f * f); z[2] = sa * f; z[3] = nf; z[4] = ns;
                     }
                 }
-                for (int src = 0; src < (has_d ? 2 : 1); src++)
-                    if (pend[src] != nullptr) {
-                        double* z0 = cz.data() + src * 5 * bn;
-                        add_columns(pend[src], nullptr, w, src ? 0.0 : g.tiny, z0, z0 + bn, z0 + 2 * bn, z0 + 4 * bn);
+                if (one_row) {
+                    double* z0 = cz.data() + 5 * bn;
+                    const double r = (double)(i1 - i0), *seg = segs.data() + 4 * bn;
+                    for (i64 j = 0; j < w; j++) {
+                        const double v = seg[j], vv = v * v;
+                        z0[j] = r * v;
+                        z0[bn + j] = r * (vv > DMAX ? DMAX : vv);
+                        z0[2 * bn + j] = r * std::fabs(v);
                     }
+                }
+                for (int src = 0; src < (has_d ? 2 : 1); src++) {
+                    double* z0 = cz.data() + src * 5 * bn;
+                    pend[src].add(w, src ? 0.0 : g.tiny, z0, z0 + bn, z0 + 2 * bn, z0 + 4 * bn);
+                }
                 for (i64 src = 0; src < (has_d ? 2 : 1); src++) {
                     const double* z0 = cz.data() + src * 5 * bn;
                     for (i64 j = 0; j < w; j++) {
@@ -1066,7 +1116,7 @@ static void check_t(CheckArgs g) {
     // thresholds, ratios and the tile records
 #pragma omp parallel num_threads(threads_for(g.nt, (double)g.nbc * (M * TN + TM * N) * 20))
     {
-        std::vector<double> rc(bn), rr(bm), resc(bn), thrc(bn), resr(bm), thrr(bm), pk(bm + 1);
+        std::vector<double> eta_r(TN);
 #pragma omp for schedule(dynamic, 1)
         for (i64 job = 0; job < jobs; job++) {
             i64 b = job / TM, p = job % TM, bb = g.ib[b];
@@ -1079,6 +1129,8 @@ static void check_t(CheckArgs g) {
                 a_low |= g.A.low[b * M + i] != 0;
             }
             const i64 pa = b * TM + p;
+            const double eta_c = eta2_of(g.coef_c, EA[p]);
+            for (i64 q = 0; q < TN; q++) eta_r[q] = eta2_of(g.coef_r, FB[q]);
             // column sums of block p (all columns)
             double* rcp = g.res_c + (b * TM + p) * N;
             double* tcp = g.thr_c + (b * TM + p) * N;
@@ -1092,7 +1144,7 @@ static void check_t(CheckArgs g) {
                                        g.A.xs1[pa] * a2, g.A.xsinf[pa] * a2, g.B.r1[bb * N + j],
                                        g.B.rinf[bb * N + j], g.A.nu[pa], low, EA[p], fB[j], has_d,
                                        has_d ? z[6] : 0, has_d ? z[7] : 0, g.cap != 0, t,
-                                       half ? z[4] : g.coef_c[BS]);
+                                       half ? z[4] : g.coef_c[BS], eta_c);
                 rcp[j] = res;
                 tcp[j] = thr;
             }
@@ -1109,7 +1161,7 @@ static void check_t(CheckArgs g) {
                                            g.B.xs1[qb] * a2, g.B.xsinf[qb] * a2, g.A.r1[b * M + i],
                                            g.A.rinf[b * M + i], g.B.nu[qb], low, FB[q], eA[i], has_d,
                                            has_d ? z[6] : 0, has_d ? z[7] : 0, g.cap != 0, t,
-                                           half ? z[4] : g.coef_r[BS]);
+                                           half ? z[4] : g.coef_r[BS], eta_r[q]);
                     g.res_r[(b * M + i) * TN + q] = res;
                     g.thr_r[(b * M + i) * TN + q] = thr;
                 }
