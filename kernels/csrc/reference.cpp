@@ -675,7 +675,8 @@ static void thin_t(const T* b, i64 K, i64 N, i64 sk, i64 sn, const double* s, i6
                         }
                     }
                     const double *r0 = row.data(), *r1 = r0 + W, *r2 = r1 + W, *r3 = r2 + W;
-                    // two rows of out at a time: each load of b's four rows serves both
+                    // two rows of out at a time (each load of b's four rows serves both), four
+                    // multiply-adds in a chain (fewer operations than a tree: this loop is bound by them)
                     i64 p = 0;
                     for (; p + 2 <= TM; p += 2) {
                         const double *sp = s + p * K + k0, *sq = sp + K;
@@ -685,8 +686,8 @@ static void thin_t(const T* b, i64 K, i64 N, i64 sk, i64 sn, const double* s, i6
 #pragma omp simd
                         for (i64 j = 0; j < w; j++) {
                             const double x0 = r0[j], x1 = r1[j], x2 = r2[j], x3 = r3[j];
-                            op[j] += (a0 * x0 + a1 * x1) + (a2 * x2 + a3 * x3);
-                            oq[j] += (b0 * x0 + b1 * x1) + (b2 * x2 + b3 * x3);
+                            op[j] = std::fma(a3, x3, std::fma(a2, x2, std::fma(a1, x1, std::fma(a0, x0, op[j]))));
+                            oq[j] = std::fma(b3, x3, std::fma(b2, x2, std::fma(b1, x1, std::fma(b0, x0, oq[j]))));
                         }
                     }
                     for (; p < TM; p++) {
@@ -694,7 +695,8 @@ static void thin_t(const T* b, i64 K, i64 N, i64 sk, i64 sn, const double* s, i6
                         double a0 = sp[0], a1 = kn > 1 ? sp[1] : 0, a2 = kn > 2 ? sp[2] : 0, a3 = kn > 3 ? sp[3] : 0;
                         double* op = out + p * N + j0;
 #pragma omp simd
-                        for (i64 j = 0; j < w; j++) op[j] += (a0 * r0[j] + a1 * r1[j]) + (a2 * r2[j] + a3 * r3[j]);
+                        for (i64 j = 0; j < w; j++)
+                            op[j] = std::fma(a3, r3[j], std::fma(a2, r2[j], std::fma(a1, r1[j], std::fma(a0, r0[j], op[j]))));
                     }
                 }
                 if (!pre)
