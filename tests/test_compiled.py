@@ -285,3 +285,30 @@ def test_column_major_outputs_and_full_addends_give_the_oracles_verdicts(dtype):
     c3 = torch.baddbmm(d3, a3, b3, alpha=0.5)
     got, want, _ = both(a3, b3, c3, bm=8, bn=16, alpha=0.5, addend=d3)
     assert differences(got, want, dtype == torch.float64) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_a_bias_gives_the_oracles_verdicts(dtype):
+    """A bias (an addend repeated down the rows, summed once per tile by the compiled check):
+    clean, with a fault in C (located), with a NaN in one of its columns (summed element by
+    element), and repeated down a batch."""
+    g = torch.Generator().manual_seed(8)
+    a, b = torch.randn(50, 40, generator=g).to(dtype), torch.randn(40, 36, generator=g).to(dtype)
+    d = torch.randn(36, generator=g).to(dtype)
+    c = torch.addmm(d, a, b)
+    got, want, loose = both(a, b, c, bm=16, bn=8, addend=d)
+    assert differences(got, want, dtype == torch.float64, loose) == []
+    assert not L.alarmed(got[0]).any()
+    c[37, 21] += 64.0
+    got, want, loose = both(a, b, c, bm=16, bn=8, addend=d)
+    assert differences(got, want, dtype == torch.float64, loose) == []
+    assert L.alarmed(got[0]).nonzero().tolist() == [[2, 2]]
+    dn = d.clone()
+    dn[5] = float("nan")
+    cn = torch.addmm(dn, a, b, beta=2.0)
+    got, want, loose = both(a, b, cn, bm=16, bn=8, addend=dn, beta=2.0)
+    assert differences(got, want, dtype == torch.float64, loose) == []
+    a3 = torch.randn(2, 50, 40, generator=g).to(dtype)
+    c3 = torch.matmul(a3, b) + d
+    got, want, _ = both(a3, b, c3, bm=16, bn=8, addend=d)
+    assert differences(got, want, dtype == torch.float64) == []
