@@ -61,9 +61,11 @@ static inline double cvt(f16_t x) {
 }
 
 // NaN-propagating min and max (torch.minimum / amax)
-static inline double nmin(double a, double b) { return ((a != a) | (b != b)) ? NaN : (a < b ? a : b); }
-static inline double nmax(double a, double b) { return ((a != a) | (b != b)) ? NaN : (a > b ? a : b); }
+static inline double nmin(double a, double b) { return (a != a || b != b) ? NaN : (a < b ? a : b); }
+static inline double nmax(double a, double b) { return (a != a || b != b) ? NaN : (a > b ? a : b); }
 static inline bool fin(double v) { return v - v == 0; }
+// v^2 clamped to the largest double (a corrupted value's square may overflow)
+static inline double sq_capped(double v) { double vv = v * v; return vv > DMAX ? DMAX : vv; }
 
 // stats.exponents: amax = m 2^e, m in [0.5, 1), from the bits; clamped to +-1000
 static inline double expo(double amax) {
@@ -83,14 +85,6 @@ static inline double pow2(double e) {
         return r;
     }
     return std::ldexp(1.0, (int)std::max(-4000.0, std::min(4000.0, e)));
-}
-
-// pow2 for e in the normal range (-1022..1023), branch-free (vectorisable)
-static inline double pow2n(double e) {
-    uint64_t u = (uint64_t)((i64)e + 1023) << 52;
-    double r;
-    std::memcpy(&r, &u, 8);
-    return r;
 }
 
 static int threads_for(int nt, double work) { return work < 3e4 ? 1 : nt; }
@@ -121,18 +115,21 @@ static void prof(const char* name) {
 }
 #endif
 
-// Reductions in LANES independent accumulators, combined in a fixed order.
+// Reductions in N (a power of two, at least 4) independent accumulators, combined in a fixed
+// order: halves added until four remain, then (0 + 2) + (1 + 3).
 constexpr int LANES = 16;
+template <int N = LANES>
 static inline double lanes_sum(const double* l) {
-    double h[LANES / 2];
-    for (int i = 0; i < LANES / 2; i++) h[i] = l[i] + l[i + LANES / 2];
-    double q[4];
-    for (int i = 0; i < 4; i++) q[i] = h[i] + h[i + 4];
-    return (q[0] + q[2]) + (q[1] + q[3]);
+    double h[N / 2];
+    for (int i = 0; i < N / 2; i++) h[i] = l[i] + l[i + N / 2];
+    for (int n = N / 4; n >= 4; n /= 2)
+        for (int i = 0; i < n; i++) h[i] += h[i + n];
+    return (h[0] + h[2]) + (h[1] + h[3]);
 }
+template <int N = LANES>
 static inline double lanes_max(const double* l) {
     double m = l[0];
-    for (int i = 1; i < LANES; i++) m = l[i] > m ? l[i] : m;
+    for (int i = 1; i < N; i++) m = l[i] > m ? l[i] : m;
     return m;
 }
 
@@ -306,21 +303,11 @@ static void row_pass(const T* __restrict x0, const T* __restrict x1, i64 K, doub
             bsq[k] += w * w;
         }
     }
-    auto sum = [](const double* a) {
-        double h[4];
-        for (int i = 0; i < 4; i++) h[i] = a[i] + a[i + 4];
-        return (h[0] + h[2]) + (h[1] + h[3]);
-    };
-    auto mx = [](const double* a) {
-        double m = a[0];
-        for (int i = 1; i < L; i++) m = a[i] > m ? a[i] : m;
-        return m;
-    };
-    amax[0] = mx(m0);
-    rsq[0] = sum(s0);
+    amax[0] = lanes_max<L>(m0);
+    rsq[0] = lanes_sum<L>(s0);
     if (NR == 2) {
-        amax[1] = mx(m1);
-        rsq[1] = sum(s1);
+        amax[1] = lanes_max<L>(m1);
+        rsq[1] = lanes_sum<L>(s1);
     }
 }
 
@@ -423,26 +410,23 @@ static void stats_block(const T* x, i64 R, i64 K, i64 sr, i64 sk, i64 bs, i64 p,
             else if (tm)
                 dots(x0, rhs, S, K, 1.0, tm + r * S, 1);
         }
-    } else if (rowmajor) {
+    } else if (rowmajor) {                      // float64 (scaled first), or K strided
         double* buf2 = buf;
         for (i64 i = i0; i < i1; i++) {
             i64 r = i - i0;
             double m = 0.0, sq = 0.0, rs = rowsc[r], bsc = blksc[r];
             const T* xr = x + i * sr;
             double* buf = buf2 + (r % 2) * K;        // two rows' values: the row predictions in pairs
-            if (pre || sk != 1)
-                for (i64 k = 0; k < K; k++) buf[k] = cvt(xr[k * sk]);
+            for (i64 k = 0; k < K; k++) buf[k] = cvt(xr[k * sk]);
             if (!pre) {
                 // LANES independent accumulators (one per lane: GCC's omp-simd reduction keeps a
                 // single vector, whose latency then bounds the loop)
                 alignas(64) double ml[LANES] = {}, sl[LANES] = {};
-                const bool copy = sk == 1;
                 i64 k = 0;
                 for (; k + LANES <= K; k += LANES) {
 #pragma omp simd
                     for (int l = 0; l < LANES; l++) {
-                        double v = copy ? cvt(xr[k + l]) : buf[k + l], av = std::fabs(v);
-                        if (copy) buf[k + l] = v;
+                        double v = buf[k + l], av = std::fabs(v);
                         ml[l] = ml[l] > av ? ml[l] : av;     // NaN dropped: fixed below
                         sl[l] += v * v;
                         bsum[k + l] += v;
@@ -450,8 +434,7 @@ static void stats_block(const T* x, i64 R, i64 K, i64 sr, i64 sk, i64 bs, i64 p,
                     }
                 }
                 for (; k < K; k++) {
-                    double v = copy ? cvt(xr[k]) : buf[k], av = std::fabs(v);
-                    if (copy) buf[k] = v;
+                    double v = buf[k], av = std::fabs(v);
                     ml[0] = ml[0] > av ? ml[0] : av;
                     sl[0] += v * v;
                     bsum[k] += v;
@@ -741,39 +724,53 @@ static double eta2_of(const double* c, double ex) {
 }
 
 // The threshold of one checked sum (threshold.threshold, term for term; eta2 = eta2_of(c, ex)).
-static inline __attribute__((always_inline)) double threshold(
-    const double* c, double s1, double s2, double sa, double pred, double x1, double xinf, double xs1,
-    double xsinf, double y1, double yinf, double nu, bool low, double ex, double ey, bool has_d, double d2,
-    double da, bool has_t, double t, double nout, double eta2) {
-    // branch-free (selects, not jumps: the loops over the sums vectorise); a term whose coefficient
-    // is 0 adds nothing where its operands are finite, NaN where not
-    const bool eta_on = c[ETA_LOG2] > -1000.0 || c[ETA_ABSOLUTE] != 0, dir = c[DIRECTED] != 0,
-               dchk = c[DIRECTED_CHK] != 0, out = c[OUT] != 0;
+static double threshold(const double* c, double s1, double s2, double sa, double pred, double x1,
+                        double xinf, double xs1, double xsinf, double y1, double yinf, double nu,
+                        bool low, double ex, double ey, bool has_d, double d2, double da, bool has_t,
+                        double t, double nout, double eta2) {
     double q = nmin(x1 * yinf, xinf * y1), qs = nmin(xs1 * yinf, xsinf * y1);
     double prod = c[P_S2] * s2 + c[P_Q] * q;
-    prod += has_d ? c[P_D2] * d2 : 0.0;
-    double pp = pred * pred, ss = s1 * s1;
-    double check = c[C_P2] * (pp > DMAX ? DMAX : pp) + c[C_QS] * qs + c[C_S12] * (ss > DMAX ? DMAX : ss) +
-                   c[C_S2] * s2 + c[C_Q] * q;
-    check += eta_on ? eta2 * y1 : 0.0;
+    if (has_d) prod += c[P_D2] * d2;
+    double check = c[C_P2] * sq_capped(pred) + c[C_QS] * qs + c[C_S12] * sq_capped(s1) + c[C_S2] * s2 +
+                   c[C_Q] * q;
+    // a skipped term (coefficient 0) adds nothing where its operands are finite, NaN where not
+    bool skipped_bad = false;
+    auto skip = [&](double v) { skipped_bad |= !fin(v); };
+    if (c[ETA_LOG2] > -1000.0 || c[ETA_ABSOLUTE] != 0) {
+        check += eta2 * y1;
+    } else {
+        skip(y1);
+    }
     double ap = std::fabs(pred);
-    bool skipped_bad = (!eta_on & !fin(y1)) | (!(dir & dchk) & !fin(ap)) | (!dir & !fin(q)) |
-                       (!dchk & !fin(qs)) | (!out & !fin(sa));
     double thr = c[LAM] * std::sqrt(nu * prod + check) + c[BIAS] * ap;
-    thr += dir ? c[DIRECTED] * (0.5 * ap + std::sqrt(q / 3)) : 0.0;
-    thr += dchk ? c[DIRECTED_CHK] * (0.5 * ap + std::sqrt(qs / 3)) : 0.0;
+    if (c[DIRECTED] != 0) {
+        thr += c[DIRECTED] * (0.5 * ap + std::sqrt(q / 3));
+    } else {
+        skip(ap);
+        skip(q);
+    }
+    if (c[DIRECTED_CHK] != 0) {
+        thr += c[DIRECTED_CHK] * (0.5 * ap + std::sqrt(qs / 3));
+    } else {
+        skip(ap);
+        skip(qs);
+    }
     thr += low ? c[LOWENT] * sa : 0.0;
-    thr += out ? c[OUT] * sa : 0.0;
-    thr += (c[OUT_ADD] != 0) & has_d ? c[OUT_ADD] * da : 0.0;
+    if (c[OUT] != 0) thr += c[OUT] * sa;
+    else skip(sa);
+    if (skipped_bad) thr = NaN;
+    if (c[OUT_ADD] != 0 && has_d) thr += c[OUT_ADD] * da;
     double e = std::min(900.0, std::max(-1000.0, -(ex + ey)));
-    double uf = (c[BS] * c[KK] * c[ETA_ACC] + nout * c[ETA_OUT]) * pow2n(e);
-    uf += c[FTZ] != 0 ? c[FTZ] * (c[BS] * pow2n(-ex) * std::sqrt(c[KK] * y1) +
-                                  pow2n(-ey) * std::sqrt(c[BS] * c[KK] * x1))
-                      : 0.0;
+    double uf = (c[BS] * c[KK] * c[ETA_ACC] + nout * c[ETA_OUT]) * pow2(e);
+    if (c[FTZ] != 0)
+        uf += c[FTZ] * (c[BS] * pow2(-ex) * std::sqrt(c[KK] * y1) +
+                        pow2(-ey) * std::sqrt(c[BS] * c[KK] * x1));
     thr += uf;
-    double w = c[W_T] * t + c[W_SA] * sa + uf + (has_d ? (c[W_DA] + c[OUT_ADD]) * da : 0.0);
-    thr = (c[CAP] != 0) & has_t ? nmin(thr, w * c[W_SCALE]) : thr;
-    thr = skipped_bad ? NaN : thr;
+    if (c[CAP] != 0 && has_t) {
+        double w = c[W_T] * t + c[W_SA] * sa + uf;
+        if (has_d) w += (c[W_DA] + c[OUT_ADD]) * da;
+        thr = nmin(thr, w * c[W_SCALE]);
+    }
     return thr < FLOOR ? FLOOR : thr;
 }
 
@@ -792,25 +789,23 @@ static inline void add(Acc& a, double z, double tiny) {
         a.ns += tiny > 0;
         return;
     }
-    double zz = z * z;
     a.s1 += z;
-    a.s2 += zz > DMAX ? DMAX : zz;
+    a.s2 += sq_capped(z);
     a.sa += std::fabs(z);
     a.ns += std::fabs(z) < tiny;
 }
 
-// The column sums of up to four clean rows of a tile (n of them; the others null): values,
+// The column sums of up to four clean rows of a tile (the first n of rows): values,
 // squares (clamped to the largest double, as a corrupted value's may overflow), magnitudes, and
 // (tiny > 0) the count below the half type's normal range.
 static void add_columns(const double* const* rows, int n, i64 w, double tiny, double* __restrict c1,
                         double* __restrict c2, double* __restrict ca, double* __restrict cs) {
-    auto sq = [](double v) { double vv = v * v; return vv > DMAX ? DMAX : vv; };
     const double *__restrict x = rows[0], *__restrict y = rows[1], *__restrict u = rows[2],
                  *__restrict v = rows[3];
     if (n == 4) {
         for (i64 j = 0; j < w; j++) {
             c1[j] += (x[j] + y[j]) + (u[j] + v[j]);
-            c2[j] += (sq(x[j]) + sq(y[j])) + (sq(u[j]) + sq(v[j]));
+            c2[j] += (sq_capped(x[j]) + sq_capped(y[j])) + (sq_capped(u[j]) + sq_capped(v[j]));
             ca[j] += (std::fabs(x[j]) + std::fabs(y[j])) + (std::fabs(u[j]) + std::fabs(v[j]));
         }
     } else {
@@ -818,7 +813,7 @@ static void add_columns(const double* const* rows, int n, i64 w, double tiny, do
             const double* __restrict z = rows[r];
             for (i64 j = 0; j < w; j++) {
                 c1[j] += z[j];
-                c2[j] += sq(z[j]);
+                c2[j] += sq_capped(z[j]);
                 ca[j] += std::fabs(z[j]);
             }
         }
@@ -934,13 +929,12 @@ static void check_t(CheckArgs g) {
         g.absA = o.absum;
     }
     const bool pre = g.dt == DT_F64, has_d = g.d != nullptr;
-    const i64 hd = has_d;                 // index factor: z[hd * 5] is the addend's, or z[0]
     const double alpha = g.alpha, a2 = alpha * alpha, aabs = std::fabs(alpha);
     STAGE("statsA");
     const i64 nz = has_d ? 10 : 5;
     // per c-batch buffers: predicted column sums, worst-case products, output sums
-    // (the worst-case products are 0 without the cap: read all the same, by the vectorised loops)
-    std::vector<double> predc(g.nbc * TM * N), tcol(g.nbc * TM * N), trow(g.nbc * M * TN), colz(g.nbc * TM * N * nz), rowz(g.nbc * M * TN * nz);
+    std::vector<double> predc(g.nbc * TM * N), tcol(g.cap ? g.nbc * TM * N : 0),
+        trow(g.cap ? g.nbc * M * TN : 0), colz(g.nbc * TM * N * nz), rowz(g.nbc * M * TN * nz);
     std::vector<uint8_t> anynf(g.nbc * TM, 0);
     // the thin products: across batches when there are several, else within the one
     // (no nested parallel regions: libgomp would start a fresh team of threads for each)
@@ -1073,9 +1067,9 @@ static void check_t(CheckArgs g) {
                     double* z0 = cz.data() + 5 * bn;
                     const double r = (double)(i1 - i0), *seg = segs.data() + 4 * bn;
                     for (i64 j = 0; j < w; j++) {
-                        const double v = seg[j], vv = v * v;
+                        const double v = seg[j];
                         z0[j] = r * v;
-                        z0[bn + j] = r * (vv > DMAX ? DMAX : vv);
+                        z0[bn + j] = r * sq_capped(v);
                         z0[2 * bn + j] = r * std::fabs(v);
                     }
                 }
@@ -1109,10 +1103,6 @@ static void check_t(CheckArgs g) {
 #pragma omp parallel num_threads(threads_for(g.nt, (double)g.nbc * (M * TN + TM * N) * 20))
     {
         std::vector<double> eta_r(TN);
-        // the coefficients in locals: stores to the outputs cannot alias them (the loops vectorise)
-        double ccol[NCOEF], crow[NCOEF];
-        std::memcpy(ccol, g.coef_c, sizeof ccol);
-        std::memcpy(crow, g.coef_r, sizeof crow);
 #pragma omp for schedule(dynamic, 1)
         for (i64 job = 0; job < jobs; job++) {
             i64 b = job / TM, p = job % TM, bb = g.ib[b];
@@ -1130,39 +1120,34 @@ static void check_t(CheckArgs g) {
             // column sums of block p (all columns)
             double* rcp = g.res_c + (b * TM + p) * N;
             double* tcp = g.thr_c + (b * TM + p) * N;
-            const double *zp = colz.data() + (b * TM + p) * N * nz, *pc = predc.data() + (b * TM + p) * N,
-                         *tc = tcol.data() + (b * TM + p) * N, *r1B = g.B.r1 + bb * N, *riB = g.B.rinf + bb * N;
-            const uint8_t* lowB = g.B.low + bb * N;
-            const double ax1 = g.A.x1[pa] * a2, axi = g.A.xinf[pa] * a2, axs = g.A.xs1[pa] * a2,
-                         axsi = g.A.xsinf[pa] * a2, anu = g.A.nu[pa], exA = EA[p];
-#pragma omp simd
             for (i64 j = 0; j < N; j++) {
-                const double* z = zp + j * nz;
-                // (alpha 1 multiplies exactly; without an addend, z[hd * 5] reads z[0], unused)
-                double pred = pc[j] * alpha, t = tc[j] * aabs;
-                double res = has_d ? z[0] - pred - z[hd * 5] : z[0] - pred;
-                bool low = a_low & (lowB[j] != 0);
-                double thr = threshold(ccol, z[0], z[1], z[2], pred, ax1, axi, axs, axsi, r1B[j], riB[j],
-                                       anu, low, exA, fB[j], has_d,
-                                       has_d ? z[hd * 6] : 0, has_d ? z[hd * 7] : 0, g.cap != 0, t,
-                                       half ? z[4] : ccol[BS], eta_c);
+                const double* z = &colz[((b * TM + p) * N + j) * nz];
+                double pred = predc[(b * TM + p) * N + j], t = g.cap ? tcol[(b * TM + p) * N + j] : 0;
+                if (alpha != 1) { pred *= alpha; t *= aabs; }
+                double res = has_d ? z[0] - pred - z[5] : z[0] - pred;
+                bool low = a_low && g.B.low[bb * N + j];
+                double thr = threshold(g.coef_c, z[0], z[1], z[2], pred, g.A.x1[pa] * a2, g.A.xinf[pa] * a2,
+                                       g.A.xs1[pa] * a2, g.A.xsinf[pa] * a2, g.B.r1[bb * N + j],
+                                       g.B.rinf[bb * N + j], g.A.nu[pa], low, EA[p], fB[j], has_d,
+                                       has_d ? z[6] : 0, has_d ? z[7] : 0, g.cap != 0, t,
+                                       half ? z[4] : g.coef_c[BS], eta_c);
                 rcp[j] = res;
                 tcp[j] = thr;
             }
             // row sums of the rows of block p (all column blocks)
-            for (i64 q = 0; q < TN; q++) {
-#pragma omp simd
-                for (i64 i = i0; i < i1; i++) {
+            for (i64 i = i0; i < i1; i++) {
+                for (i64 q = 0; q < TN; q++) {
                     const double* z = &rowz[((b * M + i) * TN + q) * nz];
                     const i64 qb = bb * TN + q;
-                    double pred = g.times[(b * M + i) * TN + q] * alpha, t = trow[(b * M + i) * TN + q] * aabs;
-                    double res = has_d ? z[0] - pred - z[hd * 5] : z[0] - pred;
-                    bool low = (blowq[bb * TN + q] != 0) & (g.A.low[b * M + i] != 0);
-                    double thr = threshold(crow, z[0], z[1], z[2], pred, g.B.x1[qb] * a2, g.B.xinf[qb] * a2,
+                    double pred = g.times[(b * M + i) * TN + q], t = g.cap ? trow[(b * M + i) * TN + q] : 0;
+                    if (alpha != 1) { pred *= alpha; t *= aabs; }
+                    double res = has_d ? z[0] - pred - z[5] : z[0] - pred;
+                    bool low = blowq[bb * TN + q] && g.A.low[b * M + i];
+                    double thr = threshold(g.coef_r, z[0], z[1], z[2], pred, g.B.x1[qb] * a2, g.B.xinf[qb] * a2,
                                            g.B.xs1[qb] * a2, g.B.xsinf[qb] * a2, g.A.r1[b * M + i],
                                            g.A.rinf[b * M + i], g.B.nu[qb], low, FB[q], eA[i], has_d,
-                                           has_d ? z[hd * 6] : 0, has_d ? z[hd * 7] : 0, g.cap != 0, t,
-                                           half ? z[4] : crow[BS], eta_r[q]);
+                                           has_d ? z[6] : 0, has_d ? z[7] : 0, g.cap != 0, t,
+                                           half ? z[4] : g.coef_r[BS], eta_r[q]);
                     g.res_r[(b * M + i) * TN + q] = res;
                     g.thr_r[(b * M + i) * TN + q] = thr;
                 }
