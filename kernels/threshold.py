@@ -315,6 +315,17 @@ if triton is not None:
         """``threshold`` in Triton, term for term, for the fused kernel: no addend (the kernel checks
         the accumulator before its epilogue) and no output rounding (u_out = 0). ``coef_ptr``: one
         row of ``pack`` (the order of COEF_FIELDS)."""
+        # holder_tl, inline (a nested call costs milliseconds under the interpreter)
+        q = tl.minimum(x1 * yinf, xinf * y1)
+        qs = tl.minimum(xs1 * yinf, xsinf * y1)
+        return threshold_q_tl(coef_ptr, s1, s2, sa, pred, q, qs, x1, y1, nu, low, ex, ey, t, CAP)
+
+    @triton.jit
+    def threshold_q_tl(coef_ptr, s1, s2, sa, pred, q, qs, x1, y1, nu, low, ex, ey, t,
+                       CAP: tl.constexpr):
+        """``threshold_tl`` given Q = sum_k x_k^2 y_k^2 and Qs = sum_k s_k^2 y_k^2 (or bounds of
+        them) instead of the norms Hoelder's inequality bounds them with: the row check
+        (``kernels/rowcheck.py``) computes them on the tensor cores."""
         lam = tl.load(coef_ptr + 0)
         k = tl.load(coef_ptr + 1)
         bs = tl.load(coef_ptr + 2)
@@ -336,9 +347,6 @@ if triton is not None:
         directed_chk = tl.load(coef_ptr + 18)
         eta_log2 = tl.load(coef_ptr + 19)
         eta_absolute = tl.load(coef_ptr + 20)
-        # holder_tl, inline (a nested call costs milliseconds under the interpreter)
-        q = tl.minimum(x1 * yinf, xinf * y1)
-        qs = tl.minimum(xs1 * yinf, xsinf * y1)
         prod = p_s2 * s2 + p_q * q
         # a corrupted sum may overflow its square: clamped, a huge error stays an alarm
         check = c_p2 * tl.minimum(pred * pred, _BIG) + c_qs * qs + c_s12 * tl.minimum(s1 * s1, _BIG) \

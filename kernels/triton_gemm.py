@@ -90,6 +90,20 @@ _BE, _BX1, _BXINF, _BXS1, _BXSINF, _BNU, _BLOW, _BFIN = (tl.constexpr(getattr(_p
 
 
 @triton.jit
+def inject_tl(acc, hit, bit, value, INJECT: tl.constexpr):
+    """The accumulator with the elements where ``hit`` corrupted (``INJECT_KINDS``: 1 flips
+    ``bit``, 2 adds ``value``, 3 zeroes)."""
+    if INJECT == 1:
+        flipped = (acc.to(tl.int32, bitcast=True) ^ (1 << bit)).to(tl.float32, bitcast=True)
+        acc = tl.where(hit, flipped, acc)
+    elif INJECT == 2:
+        acc = tl.where(hit, acc + value, acc)
+    else:
+        acc = tl.where(hit, 0.0, acc)
+    return acc
+
+
+@triton.jit
 def _store_out(acc, c_ptr, d_ptr, pid_b, rm, rn, m_ok, n_ok, alpha, beta,
                stride_cb, stride_cm, stride_cn, stride_db, stride_dm, stride_dn,
                HAS_ADD: tl.constexpr, SCALED: tl.constexpr, ROUND_OUT: tl.constexpr):
@@ -223,13 +237,7 @@ def checked_gemm_kernel(
         if INJECT != 0:
             hit = (rm[:, None] == inj_m) & (rn[None, :] == inj_n) & m_ok[:, None] & n_ok[None, :] \
                 & (pid_b == inj_b) & (ks == inj_k)
-            if INJECT == 1:
-                flipped = (acc.to(tl.int32, bitcast=True) ^ (1 << inj_bit)).to(tl.float32, bitcast=True)
-                acc = tl.where(hit, flipped, acc)
-            elif INJECT == 2:
-                acc = tl.where(hit, acc + inj_val, acc)
-            else:
-                acc = tl.where(hit, 0.0, acc)
+            acc = inject_tl(acc, hit, inj_bit, inj_val, INJECT)
         a_ptrs += a_step
         b_ptrs += b_step
 
