@@ -85,3 +85,47 @@ def summary(cubin):
         loop_tensor_core_instructions=sum(opcode(t).startswith(TENSOR_CORE) for t in body),
         loop_local=sum(by_op[op] for op in LOCAL),
         loop_by_opcode=dict(by_op.most_common()))
+
+
+def tensor_loops(ins):
+    """[(start, end, body)] of the innermost loops that hold tensor-core instructions, by address:
+    a kernel's K loops. The retry of an mbarrier wait (TMA) branches back from past the kernel's
+    EXIT into the loop: a "loop" holding an EXIT is not one."""
+    found = []
+    for lo, hi in loops(ins):
+        body = [t for a, t in ins if lo <= a <= hi]
+        if any(opcode(t) == "EXIT" for t in body):
+            continue
+        if any(opcode(t).startswith(TENSOR_CORE) for t in body):
+            found.append((lo, hi, body))
+    inner = [f for f in found if not any(g is not f and f[0] <= g[0] and g[1] <= f[1]
+                                         for g in found)]
+    return sorted(inner)
+
+
+_SHAPE = re.compile(r"\.(\d+)x(\d+)x(\d+)\.")
+
+
+def tensor_issue(text, operand_bytes=2):
+    """(multiply-adds, shared-memory operand bytes) of one tensor-core instruction as issued:
+    HGMMA.64xNxK is 64 N K multiply-adds for its warpgroup, reading B (and A, unless A is in
+    registers) from shared memory; HMMA.16816 is 16 8 16 for its warp, from registers."""
+    op = opcode(text)
+    m = _SHAPE.search(op + ".")
+    if op.startswith("HGMMA") and m:
+        mm, nn, kk = (int(x) for x in m.groups())
+        a_in_smem = text.split(",")[1].strip().startswith("gdesc")
+        return mm * nn * kk, (mm * kk * a_in_smem + kk * nn) * operand_bytes
+    if op.startswith("HMMA.16816"):
+        return 16 * 8 * 16, 0
+    return 0, 0
+
+
+def smem_load_bytes(text):
+    """Bytes a warp reads from shared memory into registers with one LDSM (ldmatrix: .x4 is
+    four 8 x 8 matrices of 16-bit values)."""
+    op = opcode(text)
+    if not op.startswith("LDSM"):
+        return 0
+    mats = 4 if op.endswith(".4") else 2 if op.endswith(".2") else 1
+    return mats * 8 * 8 * 2

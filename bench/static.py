@@ -174,9 +174,17 @@ def run(out_dir, arch=90, shapes=SHAPES, stream=sys.stdout):
                   model=dict(kind="roofline: max(FLOPs / peak, bytes / bandwidth) per launch, "
                                   "launches added", peak_flops=PEAK_FLOPS, peak_bytes=PEAK_BYTES,
                              config=CONFIG, prepass_config=PREPASS_CONFIG))
+    if arch == 90:
+        from abft.bench import rows
+        report["rows"] = rows.run(out_dir, shapes, gemms, compile_kernel, _signature, roofline,
+                                  PEAK_FLOPS, arch)
     with open(os.path.join(out_dir, "report.json"), "w") as f:
         json.dump(report, f, indent=1)
     _print(report, stream)
+    if "rows" in report:
+        from abft.bench import rows
+        print("", file=stream)
+        rows.print_report(report["rows"], lambda s: print(s, file=stream, flush=True))
     return report
 
 

@@ -8,7 +8,7 @@ import sys
 
 import pytest
 
-from abft.bench import sass, static
+from abft.bench import rows, sass, static
 
 HERE = os.path.dirname(__file__)
 
@@ -100,3 +100,54 @@ def test_bad_arch_and_unwritable_out_get_one_line_and_exit_2(tmp_path):
         lines = r.stderr.strip().splitlines()
         assert len(lines) == 1 and word in lines[0], r.stderr
         assert not (blocker / "sub").exists()
+
+
+def test_the_row_check_is_compiled_and_costed(report):
+    """``kernels/rowcheck.py`` at the same shapes: its main kernel checked and unchecked and its
+    verify kernel, each GEMM's cost in parts, each layer's."""
+    out, rep = report
+    rw = rep["rows"]
+    assert {(k["role"], k["variant"]) for k in rw["kernels"]} == {
+        ("main", "checked"), ("main", "unchecked"), ("verify", "checked")}
+    for k in rw["kernels"]:
+        assert (out / k["cubin"]).stat().st_size > 0
+    assert len(rw["cost"]) == 6 and len(rw["layers"]) == 2
+    for c in rw["cost"]:
+        parts = ("tensor_s", "smem_s", "share_s", "hot_s", "outside_s", "bytes_s", "verify_s")
+        assert all(c[p] >= 0 for p in parts if p != "hot_s"), c
+        assert abs(c["checked_s"] - c["unchecked_s"] - sum(c[p] for p in parts)) < 1e-12
+        assert c["verify_s"] >= rows.LAUNCH_S
+
+
+def test_every_row_checked_kernel_keeps_the_product_loop_lean_and_asynchronous(report):
+    """No spills; two K loops, the slice's (its share of the steps, the tensor-core
+    instructions of the slice besides the product's) and the hot loop, at most 1.10 times the
+    unchecked loop's instructions; every loop's wgmma stays in flight across its waits (a branch
+    in the loop made ptxas serialise them: C7515)."""
+    _, rep = report
+    uses = {}
+    for k in rep["rows"]["kernels"]:
+        if k["role"] == "main":
+            for use in k["used_by"]:
+                uses.setdefault(use, {})[k["variant"]] = k
+    assert len(uses) == 6
+    for use, p in uses.items():
+        c, u = p["checked"], p["unchecked"]
+        assert c["spills"] == 0 and c["stack"] == 0, (use, c["spills"])
+        assert len(c["loops"]) == 2 and len(u["loops"]) == 1, use
+        share, hot = sorted(c["loops"], key=lambda lp: -lp["tensor_core_instructions"])
+        assert share["tensor_core_instructions"] > hot["tensor_core_instructions"]
+        assert hot["instructions"] <= static.GATE_LOOP * u["loops"][0]["instructions"], \
+            (use, hot["instructions"], u["loops"][0]["instructions"])
+        assert all(lp["async_wgmma"] for lp in c["loops"] + u["loops"]), use
+
+
+@pytest.mark.xfail(strict=True, reason="not met: 1.035-1.061 per GEMM, 1.037 and 1.053 a layer "
+                   "(BENCHMARKS.md): at K = 4096 the code outside the K loops (the second loop's "
+                   "prologue, the epilogue's row sums) is 2.6%, the share steps' instructions 1.5%, "
+                   "the A tile to registers 0.8%, the verify launch 0.5%")
+def test_the_row_checks_estimated_cost_is_within_three_percent(report):
+    _, rep = report
+    worst = max(c["estimated_ratio"] for c in rep["rows"]["cost"])
+    layer = max(lay["estimated_ratio"] for lay in rep["rows"]["layers"])
+    assert worst <= rows.GATE_COST and layer <= rows.GATE_LAYER, (worst, layer)

@@ -1,0 +1,211 @@
+"""The row-checked GEMM's cost on a Hopper GPU, from its compiled code (``abft bench --static``).
+
+``kernels/rowcheck.py``'s two launches (the main kernel, checked and with its checks compiled out,
+and the verify kernel) are compiled for sm_90a at the LLM shapes, as the fused kernel is in
+``bench/static.py``, and read from their SASS (the K loops: ``sass.tensor_loops``). The estimate
+adds to the unchecked kernel's roofline time every cost the checked call has beyond it:
+
+- **the slice's tensor cores**: each extra tensor-core instruction of the share loop as issued
+  (HGMMA.64xNx16: 64 N 16 multiply-adds for its warpgroup; the slice's are 8 wide), at
+  max(multiply-adds at 2,048 per SM and cycle, its shared-memory operands at 128 bytes per SM and
+  cycle), not overlapped with the product's;
+- **the slice's shared memory**: every LDSM of the share loop (the A tile brought to registers
+  for A^2 and for the dots from registers), at 128 bytes per SM and cycle, not overlapped;
+- **the slice's CUDA cores**: every extra instruction of the share loop, one issue slot of its
+  warp's scheduler (4 per SM), at its share of the K steps (each K step once per row of tiles),
+  not overlapped (the issue's rule);
+- **the hot loop** (the other K steps): its instructions issue while the step's asynchronous
+  wgmma runs (the gate checks every wait leaves wgmma groups in flight), so they cost only past
+  the tensor cores' time per step (nothing at these shapes: 81 instructions, 162 issue cycles of
+  a 1,024-cycle step);
+- **outside the loops**: every extra instruction once per tile (the second loop's prologue, the
+  epilogue's row sums, the partials' stores, V's and W's descriptors), not overlapped;
+- **HBM bytes**: the partial buffer written and read back, V and W read once (64 KiB per weight;
+  they stay in L2 across the row of tiles, as the operands' tiles do in the roofline), the
+  verdicts written; for grad_weight, whose B (an activation) has no kept encoding, V and W
+  written by the forward's verify (not built yet: counted as if it were);
+- **launches**: the verify kernel at max(3 us, its bytes, its instructions).
+
+Clock: the roofline's peak over 132 SMs x 4,096 FLOP per cycle (1.83 GHz). What it cannot see:
+latencies (the pipeline drains between the two K loops and refills: a TMA load's latency per
+tile), L2 misses, clock and power limits.
+"""
+import collections
+
+import torch
+
+SMS = 132
+FMA_PER_CYCLE = 2048        # dense bf16 multiply-adds per SM and cycle (989 TFLOP/s at 1.83 GHz)
+SMEM_BYTES_PER_CYCLE = 128
+SCHEDULERS = 4
+LAUNCH_S = 3e-6             # the least an extra launch costs
+GATE_COST = 1.03            # each GEMM, estimated checked / unchecked
+GATE_LAYER = 1.02           # a layer's three GEMMs together
+
+
+def _tensor_cycles(body, sass, warpgroups):
+    cyc = 0.0
+    for t in body:
+        fma, smem = sass.tensor_issue(t)
+        if fma:
+            cyc += max(fma / FMA_PER_CYCLE, smem / SMEM_BYTES_PER_CYCLE)
+    return cyc * warpgroups
+
+
+def _ldsm_cycles(body, sass, warps):
+    return sum(sass.smem_load_bytes(t) for t in body) * warps / SMEM_BYTES_PER_CYCLE
+
+
+def _async(body, sass):
+    waits = [t for t in body if sass.opcode(t).startswith("WARPGROUP.DEPBAR")]
+    return bool(waits) and all(int(t.split(",")[-1].strip(), 16) > 0 for t in waits)
+
+
+def read_kernel(path, sass, warps):
+    """Per K loop (by address): instructions, tensor cycles, LDSM cycles, opcodes; instructions
+    outside the loops; registers and spills."""
+    ins = sass.disassemble(path)
+    info = sass.summary(path)
+    loops = []
+    inside = 0
+    for lo, hi, body in sass.tensor_loops(ins):
+        inside += len(body)
+        loops.append(dict(
+            instructions=len(body), tensor_cycles=_tensor_cycles(body, sass, warps // 4),
+            ldsm_cycles=_ldsm_cycles(body, sass, warps),
+            tensor_core_instructions=sum(sass.opcode(t).startswith(sass.TENSOR_CORE) for t in body),
+            # every wait in the loop leaves wgmma groups in flight: the tensor cores never drain
+            async_wgmma=_async(body, sass),
+            by_opcode=dict(collections.Counter(sass.opcode(t).split(".")[0] for t in body).most_common())))
+    return dict(regs=info["regs"], stack=info["stack"], spills=info["spills"],
+                instructions=len(ins), outside=len(ins) - inside, loops=loops)
+
+
+def _nbytes(*ts):
+    return sum(t.numel() * t.element_size() for t in ts)
+
+
+def estimate(shape, name, weight, k_main, k_plain, k_verify, cfg, verify_programs, verify_warps,
+             roofline, peak_flops):
+    """The cost of one GEMM (module docstring); times in seconds."""
+    m, k, n = shape
+    bm, bn, bk, warps = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]
+    from abft.kernels import rowcheck as R
+    clock = peak_flops / (SMS * 2 * FMA_PER_CYCLE)
+    sec = lambda cycles: cycles / (SMS * clock)
+    tm, tn, steps = -(-m // bm), -(-n // bn), -(-k // bk)
+    tiles = tm * tn
+    plain_loop = k_plain["loops"][0]
+    share_loop, rest_loop = sorted(k_main["loops"], key=lambda lp: -lp["tensor_core_instructions"])
+    share_steps = tm * steps                       # every K step once per row of tiles
+    rest_steps = tiles * steps - share_steps
+    issue = warps / SCHEDULERS
+    plain_step = max(plain_loop["tensor_cycles"], issue * plain_loop["instructions"])
+    # the share loop's extra work, none of it overlapped with the product's (the issue's rule)
+    extra_tensor = share_steps * (share_loop["tensor_cycles"] - plain_loop["tensor_cycles"])
+    extra_smem = share_steps * share_loop["ldsm_cycles"]
+    extra_share = share_steps * issue * (share_loop["instructions"] - plain_loop["instructions"])
+    # the hot loop: its instructions issue while the step's asynchronous wgmma runs (the SASS
+    # waits on the wgmma of an earlier step), so they cost only past the tensor cores' time
+    extra_hot = rest_steps * (max(rest_loop["tensor_cycles"], issue * rest_loop["instructions"],
+                                  rest_loop["ldsm_cycles"]) - plain_step)
+    extra_outside = tiles * issue * (k_main["outside"] - k_plain["outside"])
+    partial = m * tn * R.NF * 4
+    enc = 2 * k * R.VW * 2
+    verdicts = m * 12 + -(-m // R.VERIFY["ROWS"]) * 9 * 4
+    main_bytes = partial + enc + (0 if weight else enc)     # written by the forward's verify
+    verify_bytes = partial + verdicts
+    verify_s = max(LAUNCH_S, roofline(0.0, verify_bytes),
+                   sec(verify_programs * k_verify["instructions"] * verify_warps / SCHEDULERS))
+    flops = 2.0 * tiles * bm * bn * steps * bk
+    plain_bytes = (m * k + k * n + m * n) * 2
+    unchecked_s = roofline(flops, plain_bytes)
+    parts = dict(tensor_s=sec(extra_tensor), smem_s=sec(extra_smem), share_s=sec(extra_share),
+                 hot_s=sec(extra_hot), outside_s=sec(extra_outside),
+                 bytes_s=roofline(0.0, main_bytes), verify_s=verify_s)
+    checked_s = unchecked_s + sum(parts.values())
+    return dict(shape=f"{name} {m}x{k}x{n}", unchecked_s=unchecked_s, checked_s=checked_s,
+                extra_bytes=main_bytes + verify_bytes, share_steps=share_steps,
+                rest_steps=rest_steps, tiles=tiles, **parts,
+                estimated_ratio=checked_s / unchecked_s)
+
+
+def run(out_dir, shapes, gemms, compile_kernel, signature, roofline, peak_flops, arch=90):
+    """Compile the row-checked GEMM's launches for ``arch`` at ``shapes`` with ``static``'s
+    ``compile_kernel`` and ``_signature``; the report's "rows" section: kernels, per-GEMM costs,
+    per-layer costs."""
+    import os
+    from abft.bench import sass
+    from abft.kernels import rowcheck as R
+    cfg = R.GPU_CONFIG
+    opts = dict(num_warps=cfg["num_warps"], num_stages=cfg["num_stages"])
+    kernels, cost, layers, seen = [], [], [], {}
+    for t, i, o in shapes:
+        layer = []
+        for name, a, b, weight in gemms(t, i, o):
+            a2, b2 = a, b
+            m, k = a2.shape
+            n = b2.shape[1]
+            e = lambda *s, dt=a2.dtype: torch.empty(*s, dtype=dt, device="meta")
+            enc = R.Encoding(e(k, R.VW), e(k, R.VW), e(R.BLOCK_FIELDS, dt=torch.float32), 3)
+            read = {}
+            for role, variant, check in (("main", "checked", True), ("main", "unchecked", False),
+                                         ("verify", "checked", True)):
+                run_ = R.launch(a2, b2, enc, check, config=cfg)
+                grid, args, meta, kopts = run_["main" if role == "main" else "verify"]
+                fn = R.row_check_kernel if role == "main" else R.row_verify_kernel
+                sig = signature(fn, args, meta)
+                key = (fn.__name__, repr(sorted(sig[0].items())), repr(sorted(sig[1].items())),
+                       repr(sorted(sig[2].items())), repr(sorted(kopts.items())))
+                if key not in seen:
+                    fname = f"rows_{len(seen):02d}_{role}_{variant}_sm{arch}.cubin"
+                    path = os.path.join(out_dir, fname)
+                    compile_kernel(fn, args, meta, arch, kopts, path)
+                    seen[key] = (fname, read_kernel(path, sass, kopts["num_warps"]))
+                    kernels.append(dict(name=fn.__name__, role=role, variant=variant,
+                                        arch=f"sm_{arch}", cubin=fname, used_by=[],
+                                        config=dict({kk: v for kk, v in meta.items() if kk.isupper()},
+                                                    **kopts), **seen[key][1]))
+                fname, info = seen[key]
+                next(kk for kk in kernels if kk["cubin"] == fname)["used_by"].append(
+                    f"{t}x{i}->{o} {name}")
+                read[(role, variant)] = (info, grid, kopts)
+            vinfo, vgrid, vopts = read[("verify", "checked")]
+            c = estimate((m, k, n), f"{t}x{i}->{o} {name}", weight, read[("main", "checked")][0],
+                         read[("main", "unchecked")][0], vinfo, dict(cfg, **opts), vgrid[0],
+                         vopts["num_warps"], roofline, peak_flops)
+            cost.append(c)
+            layer.append(c)
+        layers.append(dict(layer=f"{t}x{i}->{o}",
+                           checked_s=sum(c["checked_s"] for c in layer),
+                           unchecked_s=sum(c["unchecked_s"] for c in layer),
+                           estimated_ratio=sum(c["checked_s"] for c in layer)
+                           / sum(c["unchecked_s"] for c in layer)))
+    return dict(kernels=kernels, cost=cost, layers=layers, config=dict(cfg),
+                model=dict(sms=SMS, fma_per_cycle=FMA_PER_CYCLE,
+                           smem_bytes_per_cycle=SMEM_BYTES_PER_CYCLE, schedulers=SCHEDULERS,
+                           launch_s=LAUNCH_S, gate_cost=GATE_COST, gate_layer=GATE_LAYER))
+
+
+def print_report(rows, p):
+    cfg = rows["config"]
+    p(f"row check ({cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']} tiles, "
+      f"{cfg['num_warps']} warps, {cfg['num_stages']} stages): each extra cost in % of the "
+      f"unchecked GEMM, none overlapped")
+    p("| kernel | variant | regs | spills | K loops: instructions (tensor-core) | outside loops |")
+    p("|---|---|---|---|---|---|")
+    for k in rows["kernels"]:
+        lps = ", ".join(f"{lp['instructions']} ({lp['tensor_core_instructions']})" for lp in k["loops"])
+        p(f"| {k['cubin']} | {k['variant']} | {k['regs']} | {k['spills']} | {lps or '-'} | "
+          f"{k['outside']} |")
+    p("")
+    p("| GEMM | slice: tensor | slice: LDSM | slice: CUDA cores | hot loop | outside the loops "
+      "| HBM | verify launch | estimated checked / unchecked |")
+    p("|---|---|---|---|---|---|---|---|---|")
+    for c in rows["cost"]:
+        pct = lambda key: f"{100 * c[key] / c['unchecked_s']:.2f}%"
+        p(f"| {c['shape']} | {pct('tensor_s')} | {pct('smem_s')} | {pct('share_s')} | "
+          f"{pct('hot_s')} | {pct('outside_s')} | {pct('bytes_s')} | {pct('verify_s')} | "
+          f"{c['estimated_ratio']:.4f} |")
+    for lay in rows["layers"]:
+        p(f"| layer {lay['layer']}, three GEMMs | | | | | | | | {lay['estimated_ratio']:.4f} |")
