@@ -47,3 +47,19 @@ def test_fixedcost_compiles_the_check_to_the_same_verdicts(capsys):
     import fixedcost
     out = fixedcost.main(pairs=20, warmup=5, compile=True)
     assert out["compiled_equal"] and out["compile_s"] > 0 and out["compiled_ms"] > 0
+
+
+def test_rowflips_counts_the_flips_each_kernel_catches(capsys):
+    """Small shapes (the interpreter): the table's rows, and a sign it counts: the high bits are
+    all above bf16 rounding and all caught by both kernels."""
+    import rowflips
+    from abft.kernels.configs import interpreting
+    if not interpreting():
+        pytest.skip("the kernels run under TRITON_INTERPRET=1 here")
+    rows = rowflips.run(m=8, k=64, n=96, seeds=1, bits=(12, 30))
+    assert [r["bit"] for r in rows] == [12, 30]
+    top = rows[1]
+    assert top["above"] == 8 * 96 and top["row"] == top["tile"] == top["above"]
+    assert rows[0]["row"] <= rows[0]["above"] and rows[0]["tile"] <= rows[0]["above"]
+    rowflips.main(["--m", "8", "--k", "64", "--n", "64", "--seeds", "1"])
+    assert "| 31 |" in capsys.readouterr().out
