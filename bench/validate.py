@@ -20,7 +20,12 @@ that would start past it is recorded as skipped):
   its detection on the CPU);
 - ``timings``: checked / unchecked / torch (cuBLAS) per GEMM of a linear layer at 16384 tokens x
   4096 -> 4096 and -> 14336, and a whole protected ``nn.Linear`` (forward and backward) against a
-  plain one.
+  plain one;
+- ``rows``: the row-checked kernel that is to replace the fused one (``kernels/rowcheck.py``): the
+  stress set through it (zero false alarms, values within twice torch's error), the bf16 flips it
+  catches against the fused kernel (``bench/rowflips.py``), and its time checked / unchecked /
+  torch per GEMM of the same layers, B's encoding made beforehand (kept per weight; grad_weight's
+  is to be passed from the forward).
 """
 import json
 import os
@@ -91,25 +96,33 @@ def _stress_cases(smoke):
                     yield dist, k, dt, tf, lay
 
 
-def stress(dev, smoke, deadline):
-    """Zero false alarms: every tile OK (verified, ratio <= 1), values within twice torch's
-    error (plus an ulp of the largest)."""
-    import triton
+def _stress_inputs(dev, smoke, deadline, skipped, tf32=True):
+    """The stress cases' (dist, k, dtype, tf32, layout, a, b) on ``dev`` (32 or 256 square), the
+    backward's layouts made as views; a case past the deadline counts in ``skipped[0]``."""
     from abft.bench.stress import operands
-    from abft.kernels import layout as L
-    from abft.kernels import triton_gemm as TG
     m = n = 32 if smoke else 256
-    rows, alarms, not_ok, skipped = [], 0, 0, 0
     for dist, k, dt, tf, lay in _stress_cases(smoke):
+        if tf and not tf32:
+            continue
         if time.time() > deadline:
-            skipped += 1
+            skipped[0] += 1
             continue
         a, b = operands(dist, m, k, n, dt, 0)
         if lay == "tn":
             a = a.t().contiguous().t()
         if lay == "nt":
             b = b.t().contiguous().t()
-        a, b = a.to(dev), b.to(dev)
+        yield dist, k, dt, tf, lay, a.to(dev), b.to(dev)
+
+
+def stress(dev, smoke, deadline):
+    """Zero false alarms: every tile OK (verified, ratio <= 1), values within twice torch's
+    error (plus an ulp of the largest)."""
+    import triton
+    from abft.kernels import layout as L
+    from abft.kernels import triton_gemm as TG
+    rows, alarms, not_ok, skipped = [], 0, 0, [0]
+    for dist, k, dt, tf, lay, a, b in _stress_inputs(dev, smoke, deadline, skipped):
         cfg = None if smoke else triton.Config({"BLOCK_K": 32 if dt == torch.float32 else 64},
                                               num_warps=8, num_stages=3)
         c, v, _ = TG.checked_gemm(a, b, tf32=tf if dt == torch.float32 else None, config=cfg)
@@ -131,7 +144,7 @@ def stress(dev, smoke, deadline):
         rows.append(dict(dist=dist, k=k, dtype=_dt(dt) + ("/tf32" if tf else ""), layout=lay,
                          worst_ratio=worst, alarmed_tiles=n_alarm, not_ok_tiles=n_bad,
                          err=mine, torch_err=theirs, values_ok=mine <= 2 * theirs + ulp))
-    return dict(cases=len(rows), skipped=skipped, alarmed_tiles=alarms, not_ok_tiles=not_ok,
+    return dict(cases=len(rows), skipped=skipped[0], alarmed_tiles=alarms, not_ok_tiles=not_ok,
                 worst_ratio=max((r["worst_ratio"] for r in rows), default=None),
                 values_off=sum(not r["values_ok"] for r in rows), rows=rows)
 
@@ -205,7 +218,54 @@ def group16(dev, smoke, deadline):
     return dict(bitflips=flips, stress=st)
 
 
-SECTIONS = ("accumulation", "bitflips", "stress", "group16", "timings")
+def rows(dev, smoke, deadline):
+    """``rows`` (the module docstring): zero false alarms and right values on the stress set, the
+    flips caught, the times."""
+    import itertools
+    from abft.bench import overhead, rowflips
+    from abft.kernels import layout as L
+    from abft.kernels import rowcheck as R
+    cases, alarms, not_ok, values_off, skipped, worst = 0, 0, 0, 0, [0], 0.0
+    # fp32 without tf32 only: the row kernel's fp32 dot is exact
+    for dist, k, dt, tf, lay, a, b in _stress_inputs(dev, smoke, deadline, skipped, tf32=False):
+        c, v, ratio, _ = R.row_checked_gemm(a, b)
+        ref = a.double() @ b.double()
+        theirs = (torch.matmul(a, b).double() - ref).abs().max().item()
+        mine = (c.double() - ref).abs().max().item()
+        cases += 1
+        alarms += int(L.alarmed(v).sum())
+        not_ok += int((v[..., L.STATUS] != L.OK).sum())
+        values_off += mine > 2 * theirs + torch.finfo(dt).eps * ref.abs().max().item()
+        worst = max(worst, ratio.abs().max().item())
+    flips = rowflips.run(m=8 if smoke else 32, k=64 if smoke else 4096, n=96 if smoke else 4096,
+                         seeds=1 if smoke else 2, bits=(14, 15, 30) if smoke else range(14, 32),
+                         device=dev)
+    dtype = torch.bfloat16 if dev == "cuda" else torch.float32
+    timer = overhead.ms_timer(dev)
+    g = torch.Generator().manual_seed(0)
+    times = []
+    for kind, t, i, o in overhead.parse_shapes(SMOKE_SHAPES if smoke else SHAPES):
+        for gemm, mm, kk, nn, make in overhead.gemms(kind, t, i, o):
+            if time.time() > deadline:
+                break
+            sets = [make(g, dtype, dev) for _ in range(2)]
+            enc = {id(y): R.encode(y) for _, y in sets}
+            _, v, _, _ = R.row_checked_gemm(*sets[0], enc=enc[id(sets[0][1])])
+            fns = {"torch": torch.matmul,
+                   "unchecked": lambda x, y: R.row_checked_gemm(x, y, check=False),
+                   "checked": lambda x, y: R.row_checked_gemm(x, y, enc=enc[id(y)])}
+            ms = {}
+            for label, fn in fns.items():
+                it = itertools.cycle(sets)
+                ms[label] = timer(lambda: fn(*next(it)))
+            times.append(dict(shape=f"{t}x{i}->{o}", gemm=gemm, m=mm, k=kk, n=nn,
+                              alarms=int(L.alarmed(v).sum()), **{f"{x}_ms": y for x, y in ms.items()}))
+    return dict(stress=dict(cases=cases, skipped=skipped[0], alarmed=alarms, not_ok=not_ok,
+                            values_off=values_off, worst_ratio=worst),
+                flips=flips, timings=times)
+
+
+SECTIONS = ("accumulation", "bitflips", "stress", "group16", "timings", "rows")
 
 
 def run(out, smoke=False, budget=450.0, only=None):
@@ -234,6 +294,8 @@ def run(out, smoke=False, budget=450.0, only=None):
                 sec["result"] = stress(dev, smoke, s0 + share["stress"] * (deadline - s0))
             elif name == "group16":
                 sec["result"] = group16(dev, smoke, s0 + share["group16"] * (deadline - s0))
+            elif name == "rows":
+                sec["result"] = rows(dev, smoke, deadline)
             else:
                 def progress(result):
                     sec.update(result=result, status="running")
@@ -296,6 +358,14 @@ def markdown(report):
                     f"{st['worst_ratio']}")
         elif r is not None and name == "timings":
             what = f"{len(r['gemms'])} GEMMs, {len(r['layers'])} layers (below)"
+        elif r is not None and name == "rows":
+            st = r["stress"]
+            above = sum(f["above"] for f in r["flips"])
+            what = (f"stress {st['cases']} cases ({st['skipped']} skipped): {st['alarmed']} "
+                    f"alarmed, {st['not_ok']} not OK, worst ratio {st['worst_ratio']:.3f}, "
+                    f"{st['values_off']} with values off; flips above bf16 rounding caught: "
+                    f"{sum(f['row'] for f in r['flips'])} of {above} (fused "
+                    f"{sum(f['tile'] for f in r['flips'])}); {len(r['timings'])} GEMMs (below)")
         lines.append(f"| {name} | {sec['status']} | {sec.get('seconds', '')} | {what} |")
     t = secs.get("timings", {}).get("result")
     if t:
@@ -313,6 +383,15 @@ def markdown(report):
         for r in t["layers"]:
             lines.append(f"| {r['shape']} | {r['plain_ms']:.3f} | {r['checked_ms']:.3f} | "
                          f"{r['ratio']:.3f} | {r['alarms']} |")
+    r = secs.get("rows", {}).get("result")
+    if r and r["timings"]:
+        lines += ["", "| row check: GEMM | M x K x N | torch ms | unchecked ms | checked ms | "
+                  "checked / unchecked | unchecked / torch | alarms |", "|---|---|---|---|---|---|---|---|"]
+        for g in r["timings"]:
+            lines.append(f"| {g['shape']} {g['gemm']} | {g['m']}x{g['k']}x{g['n']} | "
+                         f"{g['torch_ms']:.3f} | {g['unchecked_ms']:.3f} | {g['checked_ms']:.3f} | "
+                         f"{g['checked_ms'] / g['unchecked_ms']:.3f} | "
+                         f"{g['unchecked_ms'] / g['torch_ms']:.3f} | {g['alarms']} |")
     return "\n".join(lines) + "\n"
 
 

@@ -36,8 +36,16 @@ def test_smoke_runs_every_section_and_writes_json_and_markdown(tmp_path):
     assert all(g["alarms"] == 0 for g in t["gemms"]) and t["layers"][0]["alarms"] == 0
     assert [a["dtype"] for a in secs["accumulation"]["result"]] == ["bfloat16", "float16",
                                                                    "float32/tf32"]
+    rw = secs["rows"]["result"]
+    assert rw["stress"]["cases"] > 0 and rw["stress"]["skipped"] == 0
+    assert rw["stress"]["alarmed"] == 0 and rw["stress"]["not_ok"] == 0
+    assert rw["stress"]["values_off"] == 0
+    assert [f["bit"] for f in rw["flips"]] == [14, 15, 30] and rw["flips"][2]["row"] > 0
+    assert [g["gemm"] for g in rw["timings"]] == ["forward", "grad_input", "grad_weight"]
+    assert all(g["alarms"] == 0 and g["checked_ms"] > 0 for g in rw["timings"])
     md = (tmp_path / "validate.md").read_text()
     assert "| stress | ok |" in md and "| layer (forward + backward) |" in md
+    assert "| rows | ok |" in md and "| row check: GEMM |" in md
 
 
 @pytest.mark.parametrize("argv,needle", [
