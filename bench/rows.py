@@ -24,7 +24,8 @@ adds to the unchecked kernel's roofline time every cost the checked call has bey
   they stay in L2 across the row of tiles, as the operands' tiles do in the roofline), the
   verdicts written; for grad_weight, whose B (an activation) has no kept encoding, V and W
   written by the forward's verify (not built yet: counted as if it were);
-- **launches**: the verify kernel at max(3 us, its bytes, its instructions).
+- **launches**: the verify kernel at max(3 us, its bytes, its instructions: its loop over chunks
+  of rows at every trip, its programs in waves of one per SM).
 
 Clock: the roofline's peak over 132 SMs x 4,096 FLOP per cycle (1.83 GHz). What it cannot see:
 latencies (the pipeline drains between the two K loops and refills: a TMA load's latency per
@@ -77,8 +78,12 @@ def read_kernel(path, sass, warps):
             # every wait in the loop leaves wgmma groups in flight: the tensor cores never drain
             async_wgmma=_async(body, sass),
             by_opcode=dict(collections.Counter(sass.opcode(t).split(".")[0] for t in body).most_common())))
+    # loops without tensor-core instructions (the verify kernel's chunks of rows): their bodies
+    other = [sum(1 for a, _ in ins if lo <= a <= hi) for lo, hi in sass.loops(ins)
+             if lo < hi and not any(sass.opcode(t) == "EXIT" or sass.opcode(t).startswith(
+                 sass.TENSOR_CORE) for a, t in ins if lo <= a <= hi)]
     return dict(regs=info["regs"], stack=info["stack"], spills=info["spills"],
-                instructions=len(ins), outside=len(ins) - inside, loops=loops)
+                instructions=len(ins), outside=len(ins) - inside, loops=loops, other_loops=other)
 
 
 def _nbytes(*ts):
@@ -86,7 +91,7 @@ def _nbytes(*ts):
 
 
 def estimate(shape, name, weight, k_main, k_plain, k_verify, cfg, verify_programs, verify_warps,
-             roofline, peak_flops):
+             verify_trips, roofline, peak_flops):
     """The cost of one GEMM (module docstring); times in seconds."""
     m, k, n = shape
     bm, bn, bk, warps = cfg["BLOCK_M"], cfg["BLOCK_N"], cfg["BLOCK_K"], cfg["num_warps"]
@@ -107,16 +112,21 @@ def estimate(shape, name, weight, k_main, k_plain, k_verify, cfg, verify_program
     extra_share = share_steps * issue * (share_loop["instructions"] - plain_loop["instructions"])
     # the hot loop: its instructions issue while the step's asynchronous wgmma runs (the SASS
     # waits on the wgmma of an earlier step), so they cost only past the tensor cores' time
-    extra_hot = rest_steps * (max(rest_loop["tensor_cycles"], issue * rest_loop["instructions"],
-                                  rest_loop["ldsm_cycles"]) - plain_step)
+    extra_hot = rest_steps * max(0.0, max(rest_loop["tensor_cycles"],
+                                          issue * rest_loop["instructions"],
+                                          rest_loop["ldsm_cycles"]) - plain_step)
     extra_outside = tiles * issue * (k_main["outside"] - k_plain["outside"])
     partial = m * tn * R.NF * 4
     enc = 2 * k * R.VW * 2
     verdicts = m * 12 + -(-m // R.VERIFY["ROWS"]) * 9 * 4
     main_bytes = partial + enc + (0 if weight else enc)     # written by the forward's verify
     verify_bytes = partial + verdicts
+    # the verify kernel: its chunks' loop runs ROWS / BLOCK_R times; programs share the SMs
+    trips = verify_trips
+    verify_ins = k_verify["instructions"] + (trips - 1) * sum(k_verify["other_loops"])
+    waves = -(-verify_programs // SMS)
     verify_s = max(LAUNCH_S, roofline(0.0, verify_bytes),
-                   sec(verify_programs * k_verify["instructions"] * verify_warps / SCHEDULERS))
+                   waves * verify_ins * verify_warps / SCHEDULERS / clock)
     flops = 2.0 * tiles * bm * bn * steps * bk
     plain_bytes = (m * k + k * n + m * n) * 2
     unchecked_s = roofline(flops, plain_bytes)
@@ -171,9 +181,11 @@ def run(out_dir, shapes, gemms, compile_kernel, signature, roofline, peak_flops,
                     f"{t}x{i}->{o} {name}")
                 read[(role, variant)] = (info, grid, kopts)
             vinfo, vgrid, vopts = read[("verify", "checked")]
+            vmeta = R.launch(a2, b2, enc, True, config=cfg)["verify"][2]
             c = estimate((m, k, n), f"{t}x{i}->{o} {name}", weight, read[("main", "checked")][0],
                          read[("main", "unchecked")][0], vinfo, dict(cfg, **opts), vgrid[0],
-                         vopts["num_warps"], roofline, peak_flops)
+                         vopts["num_warps"], -(-vmeta["ROWS"] // vmeta["BLOCK_R"]), roofline,
+                         peak_flops)
             cost.append(c)
             layer.append(c)
         layers.append(dict(layer=f"{t}x{i}->{o}",

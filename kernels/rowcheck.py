@@ -97,8 +97,9 @@ def _step(a_src, b_src, ks, acc, off_m, off_n, rm, rn, rk, m_ok, n_ok, K, stride
             b = b_src.load([ks * BLOCK_K, off_n])
     else:
         k_ok = rk < K - ks * BLOCK_K
-        a = tl.load(a_src + ks * BLOCK_K * stride_ak, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
-        b = tl.load(b_src + ks * BLOCK_K * stride_bk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        kb = tl.cast(ks, tl.int64) * BLOCK_K
+        a = tl.load(a_src + kb * stride_ak, mask=m_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_src + kb * stride_bk, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
     if DOT_FP32:
         # the interpreter's bf16 tl.dot is wrong; bf16 products are exact in fp32
         acc = tl.dot(a.to(tl.float32), b.to(tl.float32), acc, allow_tf32=False)
@@ -244,7 +245,7 @@ def row_check_kernel(
 @triton.jit
 def row_verify_kernel(
     part_ptr, blk_ptr, coef_ptr, ratio_ptr, sums_ptr, verdict_ptr,
-    M, TN, slack, tiny_k,
+    M, TN, slack, tiny_q, tiny_qs, tiny_y,
     BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, ROWS: tl.constexpr,
 ):
     """One program per ROWS rows (a verdict record), in chunks of BLOCK_R rows: the TN partials of
@@ -273,16 +274,16 @@ def row_verify_kernel(
         s1 = tl.sum(tl.load(base + _FS1, mask=ok2, other=0.0), 1)
         s2 = tl.sum(tl.load(base + _FS2, mask=ok2, other=0.0), 1)
         p = tl.sum(tl.load(base + _FP, mask=ok2, other=0.0), 1)
-        q = tl.sum(tl.load(base + _FQ, mask=ok2, other=0.0), 1) * slack + tiny_k
-        qs = tl.sum(tl.load(base + _FQS, mask=ok2, other=0.0), 1) * slack + tiny_k
-        y1 = tl.sum(tl.load(base + _FY1, mask=ok2, other=0.0), 1) * slack + tiny_k
+        q = tl.sum(tl.load(base + _FQ, mask=ok2, other=0.0), 1) * slack + tiny_q
+        qs = tl.sum(tl.load(base + _FQS, mask=ok2, other=0.0), 1) * slack + tiny_qs
+        y1 = tl.sum(tl.load(base + _FY1, mask=ok2, other=0.0), 1) * slack + tiny_y
         # units: 2^-(E + e_i), e_i the exponent of sqrt(y1) (any power of two does: the verdict
         # does not change when A or B is scaled by one); Q, Qs carry B's 2^-2E already
         e_i = exponent_tl(tl.sqrt(y1))
         up = pow2_tl(-e_i)
         down = pow2_tl(-e_b)
         s1s = s1 * down * up
-        s2s = tl.minimum(s2 * down * down * up * up, big)
+        s2s = tl.minimum((s2 * (down * up)) * (down * up), big)
         ps = p * up
         qq = q * up * up
         qqs = qs * up * up
@@ -291,16 +292,19 @@ def row_verify_kernel(
         thr = threshold_q_tl(coef_ptr, s1s, s2s, sa, ps, qq, qqs, x1, yy, nu, low, e_b, e_i,
                              0.0, False)
         res = s1s - ps
-        # and scales whose powers of two float32 holds
+        # and scales whose powers of two float32 holds (the units' 2^-(E + e_i) included), and
+        # sums of squares that did not reach float32's largest (a clamped partial: |C| >= 2^64)
         fin_in = ((y1 * 0.0 + b_fin) > 0) & (y1 < float("inf")) & (q < float("inf")) \
             & (qs < float("inf"))
-        scales_ok = (tl.abs(e_i) <= 100) & (tl.abs(e_i * 0.0 + e_b) <= 100)
+        scales_ok = (tl.abs(e_i) <= 100) & (tl.abs(e_i * 0.0 + e_b) <= 100) \
+            & (tl.abs(e_i + e_b) <= 120) & (s2 < big)
         acc_ok = tl.abs(s1) < float("inf")
         row_status = tl.where(fin_in & scales_ok & acc_ok & (thr < float("inf"))
                               & (tl.abs(p) < float("inf")),
                               _OK, _UNVERIFIED)
-        # C_ij <= |a_i| |b_j| <= sqrt(y1) sqrt(x1) 2^E: below float32's largest, C cannot overflow
-        may_overflow = tl.sqrt(y1) * tl.sqrt(x1) * pow2_tl(e_b) >= big
+        # |sum_j C_ij| <= sum_j |a_i| |b_j| <= sqrt(y1) sqrt(N x1) 2^E: below float32's largest,
+        # neither an element nor the row's sum can overflow
+        may_overflow = tl.sqrt(y1) * tl.sqrt(bs * x1) * pow2_tl(e_b) >= big
         row_status = tl.where(fin_in & (acc_ok == 0) & (may_overflow == 0), _NONFINITE, row_status)
         rat = tl.where(row_status == _UNVERIFIED, 0.0, res / thr)
         rat = tl.where(rat == rat, rat, float("inf"))
@@ -340,8 +344,12 @@ class Encoding:
 
 
 def _round_up(x, dtype):
-    """x (float64, >= 0) in ``dtype``, no smaller (round to nearest of x (1 + 2^-6))."""
-    return (x * (1 + 2.0 ** -6)).to(dtype)
+    """x (float64, >= 0, finite) in ``dtype``, no smaller: rounded to nearest, then one ulp up
+    where that fell below (subnormals included)."""
+    w = x.to(dtype)
+    low = w.to(torch.float64) < x
+    bits = w.view(torch.int16 if dtype.itemsize == 2 else torch.int32)
+    return torch.where(low, (bits + 1).view(dtype), w)
 
 
 def encode(b):
@@ -384,7 +392,7 @@ def _tma(a, b):
         """0 or 1: the dimension t is contiguous along (with TMA's alignment), else None."""
         for d in (1, 0):
             other = t.stride(1 - d)
-            if t.stride(d) == 1 and (t.shape[1 - d] == 1 or (other * t.element_size()) % 16 == 0) \
+            if t.stride(d) == 1 and (other * t.element_size()) % 16 == 0 \
                     and t.data_ptr() % 16 == 0 and t.shape[d] > 1:
                 return d
         return None
@@ -430,8 +438,11 @@ def launch(a, b, enc, check, inject_kind=0, inject_at=(-1, -1, 0, 0), inject_val
     u = T.units(a.dtype, check=torch.float32, stored=False, flush=dev.type == "cuda")
     coef = T.pack(T.coefficients(u, k=k, bs=n, acc=acc, chk=chk,
                                  split=_prepass.split_error(a.dtype, False)), device=dev)
-    tiny_k = k * torch.finfo(torch.float32).tiny
-    verify_args = (part, enc.blk, coef, ratio, sums, verdict, m, tn, 1.0 + STAT_SLACK, tiny_k)
+    # a square below float32's normal range may be lost (flushed) from each of the K products:
+    # at most the smallest normal times W's largest entry (x <= N, s^2 <= N^2 in B's units)
+    tiny = k * torch.finfo(torch.float32).tiny
+    verify_args = (part, enc.blk, coef, ratio, sums, verdict, m, tn, 1.0 + STAT_SLACK,
+                   tiny * n, tiny * n * n, tiny)
     bt = triton.next_power_of_2(tn)
     verify_meta = dict(BLOCK_R=max(1, min(VERIFY["BLOCK_R"], rows, VERIFY["CELLS"] // bt)),
                        BLOCK_T=bt, ROWS=rows)
@@ -461,6 +472,18 @@ def row_checked_gemm(a, b, *, enc=None, check=True, inject=None, config=None):
     if a.dtype != b.dtype or a.dtype not in (torch.float32, torch.float16, torch.bfloat16):
         raise TypeError(f"row_checked_gemm: float32/float16/bfloat16 operands of one dtype, got "
                         f"{a.dtype}, {b.dtype}")
+    m, k = a.shape
+    n = b.shape[1]
+    if not (m and n and k):
+        # an empty product (or K = 0: zeros) has nothing to check: every record OK
+        c = torch.zeros(m, n, dtype=a.dtype, device=a.device)
+        if not check:
+            return c, None, None, None
+        f32 = dict(dtype=torch.float32, device=a.device)
+        verdict = torch.zeros(-(-m // VERIFY["ROWS"]), 1, L.NFIELDS, **f32)
+        verdict[..., L.ROW] = verdict[..., L.COL] = -1.0
+        return c, verdict, torch.zeros(m, **f32), dict(res=torch.zeros(m, **f32),
+                                                        thr=torch.zeros(m, **f32))
     if check and enc is None:
         enc = encode(b)
     if not check:

@@ -232,14 +232,31 @@ def _amax(x, dim):
     return x.amax(dim)
 
 
+_PAIRWISE = 256           # blocks up to this wide compare every pair of rows (fast when small)
+
+
 def _multiplicity(e, key, bs):
     """Largest number of rows with equal (exponent, scaled sum of squares) in each block: equal rows
     have equal keys; unequal rows with equal keys only make the threshold larger."""
     kb = _pad_blocks(key, bs, float("nan"))
     eb = _pad_blocks(e, bs, float("nan"))
-    same = torch.count_nonzero((kb.unsqueeze(-1) == kb.unsqueeze(-2))
-                               & (eb.unsqueeze(-1) == eb.unsqueeze(-2)), dim=-1)
-    return same.amax(-1).clamp_min(1).to(torch.float64)
+    if bs <= _PAIRWISE:
+        same = torch.count_nonzero((kb.unsqueeze(-1) == kb.unsqueeze(-2))
+                                   & (eb.unsqueeze(-1) == eb.unsqueeze(-2)), dim=-1)
+        return same.amax(-1).clamp_min(1).to(torch.float64)
+    # wide blocks (a row check's whole N): sorted, the longest run of equal pairs (NaN keys
+    # never equal), in O(bs log bs) instead of bs^2 comparisons
+    shape = kb.shape[:-1]
+    kb, eb = kb.reshape(-1, bs), eb.reshape(-1, bs)
+    order = torch.argsort(kb, dim=-1, stable=True)
+    kb, eb = kb.gather(-1, order), eb.gather(-1, order)
+    order = torch.argsort(eb, dim=-1, stable=True)
+    kb, eb = kb.gather(-1, order), eb.gather(-1, order)
+    new = torch.ones_like(kb, dtype=torch.bool)
+    new[:, 1:] = (kb[:, 1:] != kb[:, :-1]) | (eb[:, 1:] != eb[:, :-1])
+    run = torch.cumsum(new.to(torch.int64), -1) - 1
+    counts = torch.zeros_like(run).scatter_add_(-1, run, torch.ones_like(run))
+    return counts.amax(-1).clamp_min(1).to(torch.float64).reshape(shape)
 
 
 def _square(x):
