@@ -225,17 +225,38 @@ def ms_timer(dev):
     return lambda f: interleaved(f, f, 1)["plain_ms"]
 
 
+def l2_bytes(dev):
+    return torch.cuda.get_device_properties(0).L2_cache_size if dev == "cuda" else 1 << 20
+
+
+def operand_sets(make, g, dtype, dev, first, l2):
+    """The operands a timing cycles through: ``first`` and fresh ones from ``make``, enough that
+    no call finds its operands in L2 (``rotation``)."""
+    a, b = first
+    copies = rotation((a.numel() + b.numel()) * a.element_size(), l2)
+    return [first] + [make(g, dtype, dev) for _ in range(copies - 1)]
+
+
+def time_each(fns, sets, timer):
+    """{label: ms} of each fn(a, b) over the cycled operand ``sets``."""
+    import itertools
+    out = {}
+    for label, fn in fns.items():
+        it = itertools.cycle(sets)
+        out[label] = timer(lambda: fn(*next(it)))
+    return out
+
+
 def kernel_rows(spec, dtype, dev):
     """Yields, per GEMM of ``spec``: torch (cuBLAS), the fused kernel with checks compiled out, checked,
     and checked with the weight's pre-pass kept (forward and grad_input), in ms (``do_bench``
     medians on a GPU, inputs rotated beyond L2), the alarms of a clean call and the largest error
     against float64 over torch's."""
-    import itertools
     from abft.kernels import layout as L
     from abft.kernels import prepass
     from abft.kernels import triton_gemm as TG
     checked_gemm = TG.checked_gemm
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size if dev == "cuda" else 1 << 20
+    l2 = l2_bytes(dev)
     timer = ms_timer(dev)
     g = torch.Generator().manual_seed(0)
     for kind, m0, k0, n0 in parse_shapes(spec):
@@ -247,8 +268,7 @@ def kernel_rows(spec, dtype, dev):
             err = (c.double() - ref).abs().max().item() / max(torch_err, 1e-30)
             alarms = int(L.alarmed(v).sum())
             del ref, c, v
-            copies = rotation((a.numel() + b.numel()) * a.element_size(), l2)
-            sets = [(a, b)] + [make(g, dtype, dev) for _ in range(copies - 1)]
+            sets = operand_sets(make, g, dtype, dev, (a, b), l2)
             fns = {"torch": torch.matmul, "unchecked": lambda x, y: checked_gemm(x, y, check=False),
                    "checked": checked_gemm}
             if gemm in ("forward", "grad_input"):
@@ -257,10 +277,7 @@ def kernel_rows(spec, dtype, dev):
                                                .b_key(TG.tiles_for(m, n, k, dtype)[1]))
                         for x, y in sets}
                 fns["kept"] = lambda x, y: checked_gemm(x, y, b_stats=kept[id(y)])
-            t = {}
-            for label, fn in fns.items():
-                it = itertools.cycle(sets)
-                t[label] = timer(lambda: fn(*next(it)))
+            t = time_each(fns, sets, timer)
             t.setdefault("kept", float("nan"))
             del sets
             yield (dict(label=f"{kind} {m0}x{k0}x{n0}" if kind == "linear" else f"{m}x{k}x{n}",

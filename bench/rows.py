@@ -86,10 +86,6 @@ def read_kernel(path, sass, warps):
                 instructions=len(ins), outside=len(ins) - inside, loops=loops, other_loops=other)
 
 
-def _nbytes(*ts):
-    return sum(t.numel() * t.element_size() for t in ts)
-
-
 def estimate(shape, name, weight, k_main, k_plain, k_verify, cfg, verify_programs, verify_warps,
              verify_trips, roofline, peak_flops):
     """The cost of one GEMM (module docstring); times in seconds."""
@@ -122,8 +118,7 @@ def estimate(shape, name, weight, k_main, k_plain, k_verify, cfg, verify_program
     main_bytes = partial + enc + (0 if weight else enc)     # written by the forward's verify
     verify_bytes = partial + verdicts
     # the verify kernel: its chunks' loop runs ROWS / BLOCK_R times; programs share the SMs
-    trips = verify_trips
-    verify_ins = k_verify["instructions"] + (trips - 1) * sum(k_verify["other_loops"])
+    verify_ins = k_verify["instructions"] + (verify_trips - 1) * sum(k_verify["other_loops"])
     waves = -(-verify_programs // SMS)
     verify_s = max(LAUNCH_S, roofline(0.0, verify_bytes),
                    waves * verify_ins * verify_warps / SCHEDULERS / clock)
@@ -140,11 +135,9 @@ def estimate(shape, name, weight, k_main, k_plain, k_verify, cfg, verify_program
                 estimated_ratio=checked_s / unchecked_s)
 
 
-def run(out_dir, shapes, gemms, compile_kernel, signature, roofline, peak_flops, arch=90):
-    """Compile the row-checked GEMM's launches for ``arch`` at ``shapes`` with ``static``'s
-    ``compile_kernel`` and ``_signature``; the report's "rows" section: kernels, per-GEMM costs,
-    per-layer costs."""
-    import os
+def run(out_dir, shapes, gemms, compile_once, roofline, peak_flops, arch=90):
+    """Compile the row-checked GEMM's launches for ``arch`` at ``shapes`` (``static.compile_once``);
+    the report's "rows" section: kernels, per-GEMM costs, per-layer costs."""
     from abft.bench import sass
     from abft.kernels import rowcheck as R
     cfg = R.GPU_CONFIG
@@ -153,35 +146,24 @@ def run(out_dir, shapes, gemms, compile_kernel, signature, roofline, peak_flops,
     for t, i, o in shapes:
         layer = []
         for name, a, b, weight in gemms(t, i, o):
-            a2, b2 = a, b
-            m, k = a2.shape
-            n = b2.shape[1]
-            e = lambda *s, dt=a2.dtype: torch.empty(*s, dtype=dt, device="meta")
+            m, k = a.shape
+            n = b.shape[1]
+            e = lambda *s, dt=a.dtype: torch.empty(*s, dtype=dt, device="meta")
             enc = R.Encoding(e(k, R.VW), e(k, R.VW), e(R.BLOCK_FIELDS, dt=torch.float32), 3)
             read = {}
-            for role, variant, check in (("main", "checked", True), ("main", "unchecked", False),
-                                         ("verify", "checked", True)):
-                run_ = R.launch(a2, b2, enc, check, config=cfg)
-                grid, args, meta, kopts = run_["main" if role == "main" else "verify"]
-                fn = R.row_check_kernel if role == "main" else R.row_verify_kernel
-                sig = signature(fn, args, meta)
-                key = (fn.__name__, repr(sorted(sig[0].items())), repr(sorted(sig[1].items())),
-                       repr(sorted(sig[2].items())), repr(sorted(kopts.items())))
-                if key not in seen:
-                    fname = f"rows_{len(seen):02d}_{role}_{variant}_sm{arch}.cubin"
-                    path = os.path.join(out_dir, fname)
-                    compile_kernel(fn, args, meta, arch, kopts, path)
-                    seen[key] = (fname, read_kernel(path, sass, kopts["num_warps"]))
-                    kernels.append(dict(name=fn.__name__, role=role, variant=variant,
-                                        arch=f"sm_{arch}", cubin=fname, used_by=[],
-                                        config=dict({kk: v for kk, v in meta.items() if kk.isupper()},
-                                                    **kopts), **seen[key][1]))
-                fname, info = seen[key]
-                next(kk for kk in kernels if kk["cubin"] == fname)["used_by"].append(
-                    f"{t}x{i}->{o} {name}")
-                read[(role, variant)] = (info, grid, kopts)
-            vinfo, vgrid, vopts = read[("verify", "checked")]
-            vmeta = R.launch(a2, b2, enc, True, config=cfg)["verify"][2]
+            for check in (True, False):
+                launches = R.launch(a, b, enc, check, config=cfg)
+                roles = ("main", "verify") if check else ("main",)
+                for role in roles:
+                    grid, args, meta, kopts = launches[role]
+                    fn = R.row_check_kernel if role == "main" else R.row_verify_kernel
+                    variant = "checked" if check else "unchecked"
+                    info = compile_once(seen, kernels, fn, args, meta, kopts, role, variant, arch,
+                                        out_dir, f"{t}x{i}->{o} {name}",
+                                        lambda path: read_kernel(path, sass, kopts["num_warps"]),
+                                        prefix="rows_")
+                    read[(role, variant)] = (info, grid, meta, kopts)
+            vinfo, vgrid, vmeta, vopts = read[("verify", "checked")]
             c = estimate((m, k, n), f"{t}x{i}->{o} {name}", weight, read[("main", "checked")][0],
                          read[("main", "unchecked")][0], vinfo, dict(cfg, **opts), vgrid[0],
                          vopts["num_warps"], -(-vmeta["ROWS"] // vmeta["BLOCK_R"]), roofline,
@@ -203,7 +185,7 @@ def print_report(rows, p):
     cfg = rows["config"]
     p(f"row check ({cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']} tiles, "
       f"{cfg['num_warps']} warps, {cfg['num_stages']} stages): each extra cost in % of the "
-      f"unchecked GEMM, none overlapped")
+      f"unchecked GEMM; only the hot loop's overlapped with its wgmma")
     p("| kernel | variant | regs | spills | K loops: instructions (tensor-core) | outside loops |")
     p("|---|---|---|---|---|---|")
     for k in rows["kernels"]:

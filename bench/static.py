@@ -131,6 +131,28 @@ def plans(t, i, o):
     return out
 
 
+def compile_once(seen, kernels, fn, args, meta, options, role, variant, arch, out_dir, use, read,
+                 prefix=""):
+    """Compile a launch unless one of the same signature and options was (``seen``: key ->
+    (cubin, info)); a new one goes to ``kernels`` with ``read(cubin path)``'s fields; ``use``
+    joins its "used_by". Returns the info."""
+    sig = _signature(fn, args, meta)
+    key = (fn.__name__, repr(sorted(sig[0].items())), repr(sorted(sig[1].items())),
+           repr(sorted(sig[2].items())), repr(sorted(options.items())))
+    if key not in seen:
+        fname = f"{prefix}{len(seen):02d}_{role}_{variant}_sm{arch}.cubin"
+        path = os.path.join(out_dir, fname)
+        compile_kernel(fn, args, meta, arch, options, path)
+        seen[key] = (fname, read(path))
+        kernels.append(dict(
+            name=fn.__name__, role=role, variant=variant, arch=f"sm_{arch}",
+            config=dict({k: v for k, v in meta.items() if k.isupper()}, **options),
+            cubin=fname, used_by=[], **seen[key][1]))
+    fname, info = seen[key]
+    next(kk for kk in kernels if kk["cubin"] == fname)["used_by"].append(use)
+    return info
+
+
 def roofline(flops, nbytes):
     return max(flops / PEAK_FLOPS, nbytes / PEAK_BYTES)
 
@@ -151,21 +173,8 @@ def run(out_dir, arch=90, shapes=SHAPES, stream=sys.stdout):
                     sign = 1 if variant == "checked" else -1
                     extra_flops += sign * flops
                     extra_bytes += sign * nbytes
-                sig = _signature(fn, args, meta)
-                key = (fn.__name__, repr(sorted(sig[0].items())), repr(sorted(sig[1].items())),
-                       repr(sorted(sig[2].items())), repr(sorted(options.items())))
-                if key not in seen:
-                    fname = f"{len(seen):02d}_{role}_{variant}_sm{arch}.cubin"
-                    compile_kernel(fn, args, meta, arch, options, os.path.join(out_dir, fname))
-                    info = sass.summary(os.path.join(out_dir, fname))
-                    seen[key] = (fname, info)
-                    kernels.append(dict(
-                        name=fn.__name__, role=role, variant=variant, arch=f"sm_{arch}",
-                        config=dict({k: v for k, v in meta.items() if k.isupper()}, **options),
-                        cubin=fname, used_by=[], **info))
-                fname, info = seen[key]
-                entry = next(kk for kk in kernels if kk["cubin"] == fname)
-                entry["used_by"].append(f"{t}x{i}->{o} {name}")
+                compile_once(seen, kernels, fn, args, meta, options, role, variant, arch, out_dir,
+                             f"{t}x{i}->{o} {name}", sass.summary)
             cost.append(dict(shape=f"{t}x{i}->{o} {name} {m}x{k}x{n}", extra_flops=extra_flops,
                              extra_bytes=extra_bytes, checked_s=times["checked"],
                              unchecked_s=times["unchecked"],
@@ -176,8 +185,7 @@ def run(out_dir, arch=90, shapes=SHAPES, stream=sys.stdout):
                              config=CONFIG, prepass_config=PREPASS_CONFIG))
     if arch == 90:
         from abft.bench import rows
-        report["rows"] = rows.run(out_dir, shapes, gemms, compile_kernel, _signature, roofline,
-                                  PEAK_FLOPS, arch)
+        report["rows"] = rows.run(out_dir, shapes, gemms, compile_once, roofline, PEAK_FLOPS, arch)
     with open(os.path.join(out_dir, "report.json"), "w") as f:
         json.dump(report, f, indent=1)
     _print(report, stream)

@@ -115,6 +115,21 @@ def _stress_inputs(dev, smoke, deadline, skipped, tf32=True):
         yield dist, k, dt, tf, lay, a.to(dev), b.to(dev)
 
 
+def _against_torch(a, b, c, dt, tf=False):
+    """(c's largest error against float64, torch.matmul's (tf32 as ``tf``), whether c's is within
+    twice torch's plus an ulp of the largest value)."""
+    ref = a.double() @ b.double()
+    if dt == torch.float32:
+        prev = torch.backends.cuda.matmul.allow_tf32
+        torch.backends.cuda.matmul.allow_tf32 = tf
+        theirs = (torch.matmul(a, b).double() - ref).abs().max().item()
+        torch.backends.cuda.matmul.allow_tf32 = prev
+    else:
+        theirs = (torch.matmul(a, b).double() - ref).abs().max().item()
+    mine = (c.double() - ref).abs().max().item()
+    return mine, theirs, mine <= 2 * theirs + torch.finfo(dt).eps * ref.abs().max().item()
+
+
 def stress(dev, smoke, deadline):
     """Zero false alarms: every tile OK (verified, ratio <= 1), values within twice torch's
     error (plus an ulp of the largest)."""
@@ -129,21 +144,12 @@ def stress(dev, smoke, deadline):
         worst = max(v[..., L.ROW_RATIO].max().item(), v[..., L.COL_RATIO].max().item())
         n_alarm = int(L.alarmed(v).sum())
         n_bad = int((v[..., L.STATUS] != L.OK).sum())
-        ref = a.double() @ b.double()
-        if dt == torch.float32:
-            prev = torch.backends.cuda.matmul.allow_tf32
-            torch.backends.cuda.matmul.allow_tf32 = tf
-            theirs = (torch.matmul(a, b).double() - ref).abs().max().item()
-            torch.backends.cuda.matmul.allow_tf32 = prev
-        else:
-            theirs = (torch.matmul(a, b).double() - ref).abs().max().item()
-        mine = (c.double() - ref).abs().max().item()
-        ulp = torch.finfo(dt).eps * ref.abs().max().item()
+        mine, theirs, ok = _against_torch(a, b, c, dt, tf)
         alarms += n_alarm
         not_ok += n_bad
         rows.append(dict(dist=dist, k=k, dtype=_dt(dt) + ("/tf32" if tf else ""), layout=lay,
                          worst_ratio=worst, alarmed_tiles=n_alarm, not_ok_tiles=n_bad,
-                         err=mine, torch_err=theirs, values_ok=mine <= 2 * theirs + ulp))
+                         err=mine, torch_err=theirs, values_ok=ok))
     return dict(cases=len(rows), skipped=skipped[0], alarmed_tiles=alarms, not_ok_tiles=not_ok,
                 worst_ratio=max((r["worst_ratio"] for r in rows), default=None),
                 values_off=sum(not r["values_ok"] for r in rows), rows=rows)
@@ -221,7 +227,6 @@ def group16(dev, smoke, deadline):
 def rows(dev, smoke, deadline):
     """``rows`` (the module docstring): zero false alarms and right values on the stress set, the
     flips caught, the times."""
-    import itertools
     from abft.bench import overhead, rowflips
     from abft.kernels import layout as L
     from abft.kernels import rowcheck as R
@@ -229,13 +234,10 @@ def rows(dev, smoke, deadline):
     # fp32 without tf32 only: the row kernel's fp32 dot is exact
     for dist, k, dt, tf, lay, a, b in _stress_inputs(dev, smoke, deadline, skipped, tf32=False):
         c, v, ratio, _ = R.row_checked_gemm(a, b)
-        ref = a.double() @ b.double()
-        theirs = (torch.matmul(a, b).double() - ref).abs().max().item()
-        mine = (c.double() - ref).abs().max().item()
         cases += 1
         alarms += int(L.alarmed(v).sum())
         not_ok += int((v[..., L.STATUS] != L.OK).sum())
-        values_off += mine > 2 * theirs + torch.finfo(dt).eps * ref.abs().max().item()
+        values_off += not _against_torch(a, b, c, dt)[2]
         worst = max(worst, ratio.abs().max().item())
     flips = rowflips.run(m=8 if smoke else 32, k=64 if smoke else 4096, n=96 if smoke else 4096,
                          seeds=1 if smoke else 2, bits=(14, 15, 30) if smoke else range(14, 32),
@@ -248,16 +250,14 @@ def rows(dev, smoke, deadline):
         for gemm, mm, kk, nn, make in overhead.gemms(kind, t, i, o):
             if time.time() > deadline:
                 break
-            sets = [make(g, dtype, dev) for _ in range(2)]
+            sets = overhead.operand_sets(make, g, dtype, dev, make(g, dtype, dev),
+                                         overhead.l2_bytes(dev))
             enc = {id(y): R.encode(y) for _, y in sets}
             _, v, _, _ = R.row_checked_gemm(*sets[0], enc=enc[id(sets[0][1])])
             fns = {"torch": torch.matmul,
                    "unchecked": lambda x, y: R.row_checked_gemm(x, y, check=False),
                    "checked": lambda x, y: R.row_checked_gemm(x, y, enc=enc[id(y)])}
-            ms = {}
-            for label, fn in fns.items():
-                it = itertools.cycle(sets)
-                ms[label] = timer(lambda: fn(*next(it)))
+            ms = overhead.time_each(fns, sets, timer)
             times.append(dict(shape=f"{t}x{i}->{o}", gemm=gemm, m=mm, k=kk, n=nn,
                               alarms=int(L.alarmed(v).sum()), **{f"{x}_ms": y for x, y in ms.items()}))
     return dict(stress=dict(cases=cases, skipped=skipped[0], alarmed=alarms, not_ok=not_ok,

@@ -104,9 +104,9 @@ def inject_tl(acc, hit, bit, value, INJECT: tl.constexpr):
 
 
 @triton.jit
-def _store_out(acc, c_ptr, d_ptr, pid_b, rm, rn, m_ok, n_ok, alpha, beta,
-               stride_cb, stride_cm, stride_cn, stride_db, stride_dm, stride_dn,
-               HAS_ADD: tl.constexpr, SCALED: tl.constexpr, ROUND_OUT: tl.constexpr):
+def store_out_tl(acc, c_ptr, d_ptr, pid_b, rm, rn, m_ok, n_ok, alpha, beta,
+                 stride_cb, stride_cm, stride_cn, stride_db, stride_dm, stride_dn,
+                 HAS_ADD: tl.constexpr, SCALED: tl.constexpr, ROUND_OUT: tl.constexpr):
     """The epilogue: alpha * acc + beta * addend in fp32, one rounding to C's dtype."""
     out = acc
     if SCALED:
@@ -397,8 +397,8 @@ def checked_gemm_kernel(
             tl.store(sr_ptr + o_r + 1, thr_r * unit_r, mask=m_ok)
             tl.store(sc_ptr + o_c, res_c * unit_c * sgn, mask=nc_ok)
             tl.store(sc_ptr + o_c + 1, thr_c * unit_c, mask=nc_ok)
-    _store_out(acc, c_ptr, d_ptr, pid_b, rm, rn, m_ok, n_ok, alpha, beta, stride_cb, stride_cm,
-               stride_cn, stride_db, stride_dm, stride_dn, HAS_ADD, SCALED, ROUND_OUT)
+    store_out_tl(acc, c_ptr, d_ptr, pid_b, rm, rn, m_ok, n_ok, alpha, beta, stride_cb, stride_cm,
+                 stride_cn, stride_db, stride_dm, stride_dn, HAS_ADD, SCALED, ROUND_OUT)
 
 
 def _as3(t):
