@@ -312,3 +312,29 @@ def test_a_bias_gives_the_oracles_verdicts(dtype):
     c3 = torch.matmul(a3, b) + d
     got, want, _ = both(a3, b, c3, bm=16, bn=8, addend=d)
     assert differences(got, want, dtype == torch.float64) == []
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("k", [37, 150])
+def test_eight_or_more_blocks_a_side_give_the_oracles_verdicts(dtype, k):
+    """The register-tiled thin products (reference.cpp's rows_times, thin_tile): A's row
+    predictions against 9 and 11 column blocks of B, and the column predictions of a column-major
+    B (a linear's weight) with 9 row blocks; K within one chunk and across three (a partial one),
+    K <= SMALL_K (the worst-case products of |A| and |B|) and beyond; clean, a located fault, a
+    batch with B broadcast."""
+    g = torch.Generator().manual_seed(11)
+    for m, n, bm, bn in ((45, 70, 16, 8), (71, 43, 8, 4)):
+        a = torch.randn(m, k, generator=g).to(dtype)
+        for b in (torch.randn(k, n, generator=g).to(dtype), torch.randn(n, k, generator=g).to(dtype).t()):
+            c = a @ b
+            got, want, loose = both(a, b, c, bm=bm, bn=bn)
+            assert differences(got, want, dtype == torch.float64, loose) == [], (m, n, b.stride())
+            assert not L.alarmed(got[0]).any()
+            c[m - 3, n - 2] += 64.0
+            got, want, loose = both(a, b, c, bm=bm, bn=bn)
+            assert differences(got, want, dtype == torch.float64, loose) == []
+            assert L.alarmed(got[0]).nonzero().tolist() == [[(m - 3) // bm, (n - 2) // bn]]
+    a3 = torch.randn(3, 45, k, generator=g).to(dtype)
+    b = torch.randn(70, k, generator=g).to(dtype).t()
+    got, want, loose = both(a3, b, a3 @ b, bm=16, bn=8)
+    assert differences(got, want, dtype == torch.float64, loose) == []

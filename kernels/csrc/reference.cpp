@@ -19,6 +19,9 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
+#if defined(__AVX__) && defined(__F16C__)
+#include <immintrin.h>
+#endif
 
 typedef int64_t i64;
 
@@ -90,8 +93,12 @@ static inline double pow2(double e) {
 static int threads_for(int nt, double work) { return work < 3e4 ? 1 : nt; }
 
 #ifdef ABFT_PROFILE
-// -DABFT_PROFILE: each stage's mean time since the previous stage, on stderr every 1000 checks
-// and at the first (printing inside the timed path would be timed)
+// -DABFT_PROFILE: each stage's mean time since the previous stage, on stderr every
+// ABFT_PROFILE_EVERY checks (default 1000) and at the first (printing inside the timed path would
+// be timed)
+#ifndef ABFT_PROFILE_EVERY
+#define ABFT_PROFILE_EVERY 1000
+#endif
 static void prof(const char* name) {
     static double last = 0, sums[16] = {0};
     static const char* names[16];
@@ -103,8 +110,8 @@ static void prof(const char* name) {
         names[stage] = name;
         sums[stage++] += now - last;
     }
-    if (name[0] == '.' && (++calls == 1 || calls % 1000 == 0)) {
-        int n = calls == 1 ? 1 : 1000;
+    if (name[0] == '.' && (++calls == 1 || calls % ABFT_PROFILE_EVERY == 0)) {
+        int n = calls == 1 ? 1 : ABFT_PROFILE_EVERY;
         for (int i = 0; i < stage; i++) {
             fprintf(stderr, "%s %.4f ms  ", names[i], sums[i] / n * 1e3);
             sums[i] = 0;
@@ -194,6 +201,92 @@ static void dots2(const V* v0, const V* v1, const double* rows, i64 n, i64 K, do
     }
 }
 
+
+// Four consecutive elements as float64 lanes (GCC vector extensions: SSE2 pairs where the target
+// has no AVX; the AVX conversions where it has)
+typedef double v4d __attribute__((vector_size(32)));
+static inline v4d splat(double x) { return (v4d){x, x, x, x}; }
+typedef double v4d_u __attribute__((vector_size(32), aligned(8)));
+typedef long long v4i __attribute__((vector_size(32)));
+static inline v4d abs4(v4d x) { return (v4d)((v4i)x & ~(v4i)splat(-0.0)); }
+static inline v4d load4(const double* p) { return *(const v4d_u*)p; }
+static inline void store4(double* p, v4d x) { *(v4d_u*)p = x; }
+template <typename T>
+static inline v4d load4(const T* p) { return (v4d){cvt(p[0]), cvt(p[1]), cvt(p[2]), cvt(p[3])}; }
+#if defined(__AVX__) && defined(__F16C__)
+static inline v4d load4(const float* p) { return (v4d)_mm256_cvtps_pd(_mm_loadu_ps(p)); }
+static inline v4d load4(const bf16_t* p) {
+    __m128i h = _mm_loadl_epi64((const __m128i*)p);
+    return (v4d)_mm256_cvtps_pd(_mm_castsi128_ps(_mm_unpacklo_epi16(_mm_setzero_si128(), h)));
+}
+static inline v4d load4(const f16_t* p) {
+    return (v4d)_mm256_cvtps_pd(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)p)));
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------
+// out[r * os + q] (+= where add) sum_k x[r * sx + k] yt[k * S8 + q] for k < kc, NR rows of x and
+// eight q: NR x 8 accumulators in registers over the k steps
+template <int NR>
+static inline void rows_tile(const double* x, i64 sx, const double* yt, i64 S8, i64 kc, double* out, i64 os,
+                             bool add) {
+    v4d acc[NR][2];
+    for (int r = 0; r < NR; r++) {
+        acc[r][0] = add ? load4(out + r * os) : splat(0.0);
+        acc[r][1] = add ? load4(out + r * os + 4) : splat(0.0);
+    }
+    for (i64 k = 0; k < kc; k++) {
+        const v4d y0 = load4(yt + k * S8), y1 = load4(yt + k * S8 + 4);
+        for (int r = 0; r < NR; r++) {
+            const v4d a = splat(x[r * sx + k]);
+            acc[r][0] += a * y0;
+            acc[r][1] += a * y1;
+        }
+    }
+    for (int r = 0; r < NR; r++) {
+        store4(out + r * os, acc[r][0]);
+        store4(out + r * os + 4, acc[r][1]);
+    }
+}
+
+// out (nr, S8) = x' (nr, K) @ yt (K, S8), S8 a multiple of 8, x' = x (rows of stride sr, K
+// contiguous) as float64, |x| where absx, each row times sc[r] where sc: in chunks of KC steps,
+// each chunk of the rows converted into xb (nr x KC, one small block) before six rows at a time
+// take it against the chunk of yt
+constexpr i64 KC = 64, ROWS_G = 12;
+template <typename T>
+static void rows_times(const T* x, i64 sr, i64 nr, i64 K, const double* yt, i64 S8, bool absx, const double* sc,
+                       double* out, double* xb) {
+    for (i64 k0 = 0; k0 < K; k0 += KC) {
+        const i64 kc = std::min(KC, K - k0);
+        for (i64 r = 0; r < nr; r++) {
+            const T* xr = x + r * sr + k0;
+            double* b = xb + r * KC;
+            i64 k = 0;
+            for (; k + 4 <= kc; k += 4) store4(b + k, load4(xr + k));
+            for (; k < kc; k++) b[k] = cvt(xr[k]);
+            if (absx)
+                for (k = 0; k < kc; k++) b[k] = std::fabs(b[k]);
+            if (sc)
+                for (k = 0; k < kc; k++) b[k] *= sc[r];
+        }
+        for (i64 q = 0; q < S8; q += 8) {
+            const double* y = yt + k0 * S8 + q;
+            i64 r = 0;
+            for (; r + 6 <= nr; r += 6) rows_tile<6>(xb + r * KC, KC, y, S8, kc, out + r * S8 + q, S8, k0 > 0);
+            for (; r + 2 <= nr; r += 2) rows_tile<2>(xb + r * KC, KC, y, S8, kc, out + r * S8 + q, S8, k0 > 0);
+            for (; r < nr; r++) rows_tile<1>(xb + r * KC, KC, y, S8, kc, out + r * S8 + q, S8, k0 > 0);
+        }
+    }
+}
+
+// yt (K, S8) = y (S, K) transposed, zero beyond S (S8: S rounded up to eight)
+static void transposed8(const double* y, i64 S, i64 K, std::vector<double>& yt) {
+    const i64 S8 = (S + 7) / 8 * 8;
+    yt.assign(K * S8, 0.0);
+    for (i64 q = 0; q < S; q++)
+        for (i64 k = 0; k < K; k++) yt[k * S8 + q] = y[q * K + k];
+}
 
 // ---------------------------------------------------------------------------------------------
 // Operand statistics (stats.operand_stats) of the rows of x (R, K) with strides (sr, sk), per
@@ -341,12 +434,24 @@ static i64 most_equal(const double* a, const double* b, const uint8_t* ok, i64 n
     return best;
 }
 
+// Short runs a stride apart (a block's rows of a column-major operand, a tile's rows of C) each
+// lie on their own page, where the hardware prefetcher does not run ahead: loops over them
+// prefetch the run PF_AHEAD rows ahead, in operands of PF_BYTES or more (those come from memory:
+// at 4096^2 float32 the strided statistics took 7.7 ms with it against 11.3 without; operands that
+// stay in the caches gain nothing). A fixed size: a VM's sysconf reports the host's whole L3.
+constexpr i64 PF_AHEAD = 8, PF_BYTES = 8 << 20;
+template <typename T>
+static inline void prefetch_run(const T* p, i64 n) {
+    for (i64 j = 0; j < n; j += 64 / sizeof(T)) __builtin_prefetch(p + j);
+}
 template <typename T>
 static void stats_block(const T* x, i64 R, i64 K, i64 sr, i64 sk, i64 bs, i64 p, const i64* places,
-                        i64 np, const double* rhs, i64 S, bool need_abs, bool need_low, bool pre, StatsOut o,
-                        i64 rbase, i64 tbase, double* bsum, double* bsq, double* babs, double* buf) {
+                        i64 np, const double* rhs, const double* rhsT, i64 S, bool need_abs, bool need_low,
+                        bool pre, StatsOut o, i64 rbase, i64 tbase, double* bsum, double* bsq, double* babs,
+                        double* buf, double* xb, double* tg) {
     i64 i0 = p * bs, i1 = std::min(R, i0 + bs), nr = i1 - i0;
     bool rowmajor = !(sr == 1 && sk != 1 && R > 1);
+    const bool pf = !rowmajor && R * K * (i64)sizeof(T) >= PF_BYTES;
     // per row: max |x| and its exponent (float64 operands: before anything else)
     std::vector<double> amax(nr, 0.0), rsq(nr, 0.0);
     auto at = [&](i64 i, i64 k) { return cvt(x[i * sr + k * sk]); };
@@ -387,7 +492,10 @@ static void stats_block(const T* x, i64 R, i64 K, i64 sr, i64 sk, i64 bs, i64 p,
     if (tm) std::fill(tm, tm + nr * S, 0.0);
     if (rowmajor && !pre && sk == 1) {
         // contiguous rows two at a time, read in their own type (no float64 copy): each pass
-        // over the block's column accumulators adds two rows
+        // over the block's column accumulators adds two rows; with rhsT, the row predictions of
+        // each group of ROWS_G rows while they are in L2
+        const i64 S8 = (S + 7) / 8 * 8;
+        i64 g0 = i0;
         for (i64 i = i0; i < i1; i += 2) {
             const i64 r = i - i0;
             const T* x0 = x + i * sr;
@@ -405,10 +513,19 @@ static void stats_block(const T* x, i64 R, i64 K, i64 sr, i64 sk, i64 bs, i64 p,
                 if (need_abs)
                     for (i64 k = 0; k < K; k++) babs[k] += std::fabs(cvt(xr[k]));
             }
-            if (tm && i + 1 < i1)
+            if (tm && rhsT) {
+                const i64 iend = std::min(i + 2, i1);
+                if (iend - g0 >= ROWS_G || iend == i1) {
+                    rows_times(x + g0 * sr, sr, iend - g0, K, rhsT, S8, false, nullptr, tg, xb);
+                    for (i64 g = g0; g < iend; g++)
+                        for (i64 q = 0; q < S; q++) tm[(g - i0) * S + q] = tg[(g - g0) * S8 + q];
+                    g0 = iend;
+                }
+            } else if (tm && i + 1 < i1) {
                 dots2(x0, x0 + sr, rhs, S, K, 1.0, 1.0, tm + r * S, tm + (r + 1) * S, 1);
-            else if (tm)
+            } else if (tm) {
                 dots(x0, rhs, S, K, 1.0, tm + r * S, 1);
+            }
         }
     } else if (rowmajor) {                      // float64 (scaled first), or K strided
         double* buf2 = buf;
@@ -478,6 +595,7 @@ static void stats_block(const T* x, i64 R, i64 K, i64 sr, i64 sk, i64 bs, i64 p,
                 double* __restrict rq = rsq.data();
                 double* __restrict bf = buf;
                 alignas(64) double l1[LANES] = {}, l2[LANES] = {}, la[LANES] = {};
+                if (pf && k + PF_AHEAD < K) prefetch_run(xk + PF_AHEAD * sk, nr);
                 i64 r = 0;
                 for (; r + LANES <= nr; r += LANES) {
 #pragma omp simd
@@ -591,15 +709,32 @@ static void stats_t(const void* xv, i64 nb, const i64* offs, i64 R, i64 K, i64 s
     i64 tb = (R + bs - 1) / bs, jobs = nb * tb;
     bool rowmajor = !(sr == 1 && sk != 1 && R > 1);
     i64 wbuf = rowmajor ? 2 * K : std::max(K, bs);
+    // the row predictions by rows_times where each row meets eight or more rhs rows (fewer: dots)
+    const bool tiles = rhs && S >= 8 && rowmajor && !pre && sk == 1;
+    const i64 S8 = (S + 7) / 8 * 8;
+    std::vector<double> rhsT;
+    i64 nrhs = 0;
+    if (tiles) {
+        for (i64 b = 0; b < nb; b++) nrhs = std::max(nrhs, rhs_idx[b] + 1);
+        rhsT.assign(nrhs * K * S8, 0.0);
+        std::vector<double> one;
+        for (i64 ib = 0; ib < nrhs; ib++) {
+            transposed8(rhs + ib * S * K, S, K, one);
+            std::copy(one.begin(), one.end(), rhsT.begin() + ib * K * S8);
+        }
+    }
 #pragma omp parallel num_threads(threads_for(nt, (double)nb * R * K))
     {
-        std::vector<double> bsum(K + 1), bsq(K + 1), babs(need_abs ? K + 1 : 1), buf(wbuf + 1);
+        std::vector<double> bsum(K + 1), bsq(K + 1), babs(need_abs ? K + 1 : 1), buf(wbuf + 1),
+            xb(tiles ? ROWS_G * KC : 0), tg(tiles ? ROWS_G * S8 : 0);
 #pragma omp for schedule(dynamic, 1)
         for (i64 job = 0; job < jobs; job++) {
             i64 b = job / tb, p = job % tb;
             stats_block<T>(x + offs[b], R, K, sr, sk, bs, p, places, np,
-                           rhs ? rhs + rhs_idx[b] * S * K : nullptr, S, need_abs, need_low, pre, o, b * R, b * tb,
-                           bsum.data(), bsq.data(), babs.data(), buf.data());
+                           rhs ? rhs + rhs_idx[b] * S * K : nullptr,
+                           tiles ? rhsT.data() + rhs_idx[b] * K * S8 : nullptr, S, need_abs, need_low, pre,
+                           o, b * R, b * tb, bsum.data(), bsq.data(), babs.data(), buf.data(), xb.data(),
+                           tg.data());
         }
     }
 }
@@ -628,12 +763,94 @@ extern "C" int abft_stats(int dt, const void* x, i64 nb, const i64* offs, i64 R,
 }
 
 // ---------------------------------------------------------------------------------------------
+// out[p, j0:j0+8] += sum_{k0 <= k < k1} s[p, k] x[k, j0:j0+8] for NP rows of s (stride K), x's
+// rows contiguous (stride N), |x| where ABS, x times sc (8 scales) where PRE: the accumulators
+// of NP x 8 outputs held in registers over the K steps
+template <int NP, bool ABS, bool PRE, typename T>
+static inline void thin_tile(const T* x, i64 N, const double* s, i64 K, i64 k0, i64 k1, const double* sc,
+                             double* out) {
+    v4d acc[NP][2];
+    for (int p = 0; p < NP; p++) acc[p][0] = acc[p][1] = splat(0.0);
+    const v4d sc0 = PRE ? load4(sc) : splat(1.0), sc1 = PRE ? load4(sc + 4) : splat(1.0);
+    for (i64 k = k0; k < k1; k++) {
+        const T* xk = x + k * N;
+        v4d x0 = load4(xk), x1 = load4(xk + 4);
+        if (ABS) {
+            x0 = abs4(x0);
+            x1 = abs4(x1);
+        }
+        if (PRE) {
+            x0 *= sc0;
+            x1 *= sc1;
+        }
+        for (int p = 0; p < NP; p++) {
+            const v4d a = splat(s[p * K + k]);
+            acc[p][0] += a * x0;
+            acc[p][1] += a * x1;
+        }
+    }
+    for (int p = 0; p < NP; p++) {
+        double* o = out + p * N;
+        store4(o, load4(o) + acc[p][0]);
+        store4(o + 4, load4(o + 4) + acc[p][1]);
+    }
+}
+
+// thin_tile for all TM rows of s, six at a time (twelve accumulators of the sixteen registers)
+template <bool ABS, bool PRE, typename T>
+static void thin_tiles(const T* x, i64 N, const double* s, i64 K, i64 TM, i64 k0, i64 k1, const double* sc,
+                       double* out) {
+    i64 p = 0;
+    for (; p + 6 <= TM; p += 6) thin_tile<6, ABS, PRE>(x, N, s + p * K, K, k0, k1, sc, out + p * N);
+    if (TM - p >= 4) { thin_tile<4, ABS, PRE>(x, N, s + p * K, K, k0, k1, sc, out + p * N); p += 4; }
+    if (TM - p >= 2) { thin_tile<2, ABS, PRE>(x, N, s + p * K, K, k0, k1, sc, out + p * N); p += 2; }
+    if (TM - p >= 1) thin_tile<1, ABS, PRE>(x, N, s + p * K, K, k0, k1, sc, out + p * N);
+}
+
 // The thin product out (TM, N) = s (TM, K) @ (|b| if absb else b) (K, N), each column times
 // 2^-f_j (float64 operands: b scaled before the product, else the result after).
 template <typename T>
 static void thin_t(const T* b, i64 K, i64 N, i64 sk, i64 sn, const double* s, i64 TM, const double* f,
                    bool absb, bool pre, int nt, double* out) {
-    if (sn == 1 || sk != 1) {
+    if (sn == 1 && N >= 8) {
+        // rows of b contiguous: strips of W columns, K in chunks of KT rows (a strip's chunk stays
+        // in L1 for the groups of rows of s), eight columns' accumulators in registers per group
+        const i64 W = 256, KT = 128, strips = (N + W - 1) / W;
+#pragma omp parallel num_threads(threads_for(nt, (double)TM * K * N))
+        {
+            std::vector<double> sc(W + 8);
+#pragma omp for schedule(static)
+            for (i64 st = 0; st < strips; st++) {
+                const i64 j0 = st * W, w = std::min(W, N - j0), w8 = w / 8 * 8;
+                for (i64 j = 0; j < w; j++) sc[j] = pow2(-f[j0 + j]);
+                for (i64 p = 0; p < TM; p++) std::fill(out + p * N + j0, out + p * N + j0 + w, 0.0);
+                for (i64 k0 = 0; k0 < K; k0 += KT) {
+                    const i64 k1 = std::min(K, k0 + KT);
+                    for (i64 j = 0; j < w8; j += 8) {
+                        const T* x = b + j0 + j;
+                        double *o = out + j0 + j, *c = sc.data() + j;
+                        if (pre && absb) thin_tiles<true, true>(x, N, s, K, TM, k0, k1, c, o);
+                        else if (pre) thin_tiles<false, true>(x, N, s, K, TM, k0, k1, c, o);
+                        else if (absb) thin_tiles<true, false>(x, N, s, K, TM, k0, k1, c, o);
+                        else thin_tiles<false, false>(x, N, s, K, TM, k0, k1, c, o);
+                    }
+                    for (i64 j = w8; j < w; j++)          // the last (up to seven) columns
+                        for (i64 p = 0; p < TM; p++) {
+                            double a = 0.0;
+                            for (i64 k = k0; k < k1; k++) {
+                                double v = cvt(b[k * N + j0 + j]);
+                                if (absb) v = std::fabs(v);
+                                a += s[p * K + k] * (pre ? v * sc[j] : v);
+                            }
+                            out[p * N + j0 + j] += a;
+                        }
+                }
+                if (!pre)
+                    for (i64 p = 0; p < TM; p++)
+                        for (i64 j = 0; j < w; j++) out[p * N + j0 + j] *= sc[j];
+            }
+        }
+    } else if (sn == 1 || sk != 1) {
         // rows of b contiguous (or neither): out[:, strip] += s[:, k] * b[k, strip]
         i64 W = std::min(N, std::max<i64>(16, std::min<i64>(512, (1 << 11) / std::max<i64>(TM, 1))));
         i64 strips = (N + W - 1) / W;
@@ -689,6 +906,25 @@ static void thin_t(const T* b, i64 K, i64 N, i64 sk, i64 sn, const double* s, i6
                 if (!pre)
                     for (i64 p = 0; p < TM; p++)
                         for (i64 j = 0; j < w; j++) out[p * N + j0 + j] *= sc[j];
+            }
+        }
+    } else if (TM >= 8) {
+        // columns of b contiguous, eight or more rows of s: groups of ROWS_G columns of b against
+        // s^T by rows_times (each column its own row there)
+        const i64 S8 = (TM + 7) / 8 * 8, groups = (N + ROWS_G - 1) / ROWS_G;
+        std::vector<double> sT;
+        transposed8(s, TM, K, sT);
+#pragma omp parallel num_threads(threads_for(nt, (double)TM * K * N))
+        {
+            std::vector<double> xb(ROWS_G * KC), tg(ROWS_G * S8), sc(ROWS_G);
+#pragma omp for schedule(static)
+            for (i64 gi = 0; gi < groups; gi++) {
+                const i64 j0 = gi * ROWS_G, nj = std::min(ROWS_G, N - j0);
+                for (i64 j = 0; j < nj; j++) sc[j] = pow2(-f[j0 + j]);
+                rows_times(b + j0 * sn, sn, nj, K, sT.data(), S8, absb, pre ? sc.data() : nullptr, tg.data(),
+                           xb.data());
+                for (i64 j = 0; j < nj; j++)
+                    for (i64 p = 0; p < TM; p++) out[p * N + j0 + j] = tg[j * S8 + p] * (pre ? 1.0 : sc[j]);
             }
         }
     } else {
@@ -973,6 +1209,7 @@ static void check_t(CheckArgs g) {
     // non-finite element (or an overflowing square) is summed again element by element,
     // non-finite values counted, not added.
     const i64 jobs = g.nbc * TM;
+    const bool pf = g.scn == 1 && g.nbc * M * N * (i64)sizeof(T) >= PF_BYTES;
 #pragma omp parallel num_threads(threads_for(g.nt, (double)g.nbc * M * N))
     {
         // one tile's column accumulators, one array per sum (C's five, then the addend's five)
@@ -1015,6 +1252,7 @@ static void check_t(CheckArgs g) {
                         bool summed = false;
                         if (src == 0) {
                             const T* ci = c + i * g.scm + j0 * g.scn;
+                            if (pf && i + PF_AHEAD < i1) prefetch_run(ci + PF_AHEAD * g.scm, w);
                             if (g.scn == 1 && !pre) {
                                 load_sums<true>(ci, w, seg, s1, s2, sa);
                                 summed = true;
