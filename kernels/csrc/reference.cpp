@@ -280,10 +280,9 @@ static void rows_times(const T* x, i64 sr, i64 nr, i64 K, const double* yt, i64 
     }
 }
 
-// yt (K, S8) = y (S, K) transposed, zero beyond S (S8: S rounded up to eight)
-static void transposed8(const double* y, i64 S, i64 K, std::vector<double>& yt) {
+// yt (K, S8) = y (S, K) transposed, zero beyond S (S8: S rounded up to eight; yt zero-filled)
+static void transposed8(const double* y, i64 S, i64 K, double* yt) {
     const i64 S8 = (S + 7) / 8 * 8;
-    yt.assign(K * S8, 0.0);
     for (i64 q = 0; q < S; q++)
         for (i64 k = 0; k < K; k++) yt[k * S8 + q] = y[q * K + k];
 }
@@ -717,11 +716,7 @@ static void stats_t(const void* xv, i64 nb, const i64* offs, i64 R, i64 K, i64 s
     if (tiles) {
         for (i64 b = 0; b < nb; b++) nrhs = std::max(nrhs, rhs_idx[b] + 1);
         rhsT.assign(nrhs * K * S8, 0.0);
-        std::vector<double> one;
-        for (i64 ib = 0; ib < nrhs; ib++) {
-            transposed8(rhs + ib * S * K, S, K, one);
-            std::copy(one.begin(), one.end(), rhsT.begin() + ib * K * S8);
-        }
+        for (i64 ib = 0; ib < nrhs; ib++) transposed8(rhs + ib * S * K, S, K, rhsT.data() + ib * K * S8);
     }
 #pragma omp parallel num_threads(threads_for(nt, (double)nb * R * K))
     {
@@ -912,8 +907,8 @@ static void thin_t(const T* b, i64 K, i64 N, i64 sk, i64 sn, const double* s, i6
         // columns of b contiguous, eight or more rows of s: groups of ROWS_G columns of b against
         // s^T by rows_times (each column its own row there)
         const i64 S8 = (TM + 7) / 8 * 8, groups = (N + ROWS_G - 1) / ROWS_G;
-        std::vector<double> sT;
-        transposed8(s, TM, K, sT);
+        std::vector<double> sT(K * S8, 0.0);
+        transposed8(s, TM, K, sT.data());
 #pragma omp parallel num_threads(threads_for(nt, (double)TM * K * N))
         {
             std::vector<double> xb(ROWS_G * KC), tg(ROWS_G * S8), sc(ROWS_G);
