@@ -58,10 +58,14 @@ class scope:
 
 
 def current_rank():
-    try:
-        import torch.distributed as dist
-        if dist.is_available() and dist.is_initialized():
-            return dist.get_rank()
-    except Exception:  # pragma: no cover - a broken distributed install is not our concern here
-        pass
+    if _dist is not None and _dist.is_initialized():
+        return _dist.get_rank()
     return int(os.environ.get("RANK", 0))
+
+
+try:
+    import torch.distributed as _dist
+    if not _dist.is_available():
+        _dist = None
+except Exception:  # pragma: no cover - a broken distributed install is not our concern here
+    _dist = None

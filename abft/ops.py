@@ -83,9 +83,12 @@ def _info(pb, ctx, bm, bn, backend):
     """The alarm metadata of one checked call."""
     return dict(op=pb.op, phase=ctx.phase, labels=ctx.labels, call_id=ctx.call_id,
                 rank=context.current_rank(), shapes=(tuple(pb.a.shape), tuple(pb.b.shape)),
-                dtype=str(pb.dtype).replace("torch.", ""), bm=bm, bn=bn, backend=backend,
-                time=policy.now(), flat_rows=pb.flat_rows, flat_batch=pb.flat_batch,
+                dtype=_DTYPE_NAMES.get(pb.dtype) or str(pb.dtype).replace("torch.", ""), bm=bm, bn=bn,
+                backend=backend, time=policy.now(), flat_rows=pb.flat_rows, flat_batch=pb.flat_batch,
                 action="recorded")
+
+
+_DTYPE_NAMES = {dt: str(dt).replace("torch.", "") for dt in SUPPORTED}
 
 
 def _verify_reference(pb, ctx, s):
@@ -100,11 +103,11 @@ def _check(pb, ctx, s):
     bm, bn = s.tiles or backends.REFERENCE_TILES
     m, n = pb.c.shape[-2], pb.c.shape[-1]
     bm, bn = max(1, min(bm, m)), max(1, min(bn, n))
-    verdict, detail = reference.check(pb.a, pb.b, pb.c, bm=bm, bn=bn, units=reference.units_for(pb.c),
-                                      alpha=pb.alpha, addend=pb.addend, beta=pb.beta, lam=s.lam,
-                                      b_stats=None if pb.b_stats is None else pb.b_stats(bn))
+    verdict, detail, summary = reference.check(
+        pb.a, pb.b, pb.c, bm=bm, bn=bn, units=reference.units_for(pb.c), alpha=pb.alpha, addend=pb.addend,
+        beta=pb.beta, lam=s.lam, b_stats=None if pb.b_stats is None else pb.b_stats(bn), summary=True)
     return policy.make_pending(verdict, detail, _info(pb, ctx, bm, bn, "reference"),
-                               context.current().log)
+                               context.current().log, summary)
 
 
 def _verify_triton(pb, ctx, s):

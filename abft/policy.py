@@ -50,31 +50,13 @@ def before_flush(fn):
 def summarize(verdict):
     """(alarmed tiles, unverified tiles, tiles, worst ratio) of a verdict: a tuple of floats on
     the CPU, a tensor on the verdict's device elsewhere (read at the flush, one transfer for all)."""
-    if verdict.device.type == "cpu" and not torch.compiler.is_compiling():
-        # on the CPU the same reductions without torch's ten ops: a few tiles in Python, more in numpy
-        v = verdict.detach().numpy().reshape(-1, L.NFIELDS)
-        if len(v) <= 16:
-            rows = v.tolist()
-            alarmed = sum(r[L.ROW_RATIO] > 1 or r[L.COL_RATIO] > 1 or r[L.STATUS] == L.NONFINITE for r in rows)
-            unverified = sum(r[L.STATUS] == L.UNVERIFIED for r in rows)
-            worst = max((max(r[L.ROW_RATIO], r[L.COL_RATIO]) for r in rows), default=0.0)
-        else:
-            alarmed = L.alarmed(v).sum()
-            unverified = (v[:, L.STATUS] == L.UNVERIFIED).sum()
-            worst = np.maximum(v[:, L.ROW_RATIO], v[:, L.COL_RATIO]).max()
-        return (float(alarmed), float(unverified), float(len(v)), float(worst))
-    alarmed = L.alarmed(verdict)
-    unverified = verdict[..., L.STATUS] == L.UNVERIFIED
-    # a fill, not a host-to-device copy: capturable in a CUDA graph
-    tiles = torch.full((), float(verdict[..., 0].numel()), device=verdict.device)
-    worst = torch.maximum(verdict[..., L.ROW_RATIO], verdict[..., L.COL_RATIO])
-    worst = worst.amax() if worst.numel() else tiles * 0
-    return torch.stack([alarmed.sum().float(), unverified.sum().float(), tiles, worst.float()])
+    return L.summary(verdict)
 
 
-def make_pending(verdict, detail, info, log):
+def make_pending(verdict, detail, info, log, summary=None):
+    """A queued verdict; ``summary``: ``summarize(verdict)`` where the check gave it already."""
     nbytes = verdict.numel() * 4 + sum(d.numel() * d.element_size() for d in detail)
-    return Pending(verdict, detail, summarize(verdict), info, log, nbytes)
+    return Pending(verdict, detail, summarize(verdict) if summary is None else summary, info, log, nbytes)
 
 
 def _count(summary, info):

@@ -19,6 +19,7 @@ whatever their size) dominate.
 import argparse
 import atexit
 import importlib
+import inspect
 import pathlib
 import shutil
 import statistics
@@ -30,6 +31,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import abft
+from abft.kernels import layout as L
 from abft.kernels import reference
 
 
@@ -152,6 +154,18 @@ def main(pairs=2000, warmup=200, size=64, compile=False, against=None, alone=Fal
         torch.set_num_threads(threads)
 
 
+def _as_ops_calls(check):
+    """``check`` as abft's ops call ``reference.check`` (``summary=True``: the verdict's summary
+    last), for a check without that argument (the torch check, an older commit's)."""
+    if "summary" in inspect.signature(check).parameters:
+        return check
+
+    def run(*args, summary=False, **kw):
+        out = check(*args, **kw)
+        return (*out, L.summary(out[0])) if summary else out
+    return run
+
+
 def _measure(pairs, warmup, size, compile, against, alone):
     g = torch.Generator().manual_seed(0)
     a, b = torch.randn(size, size, generator=g), torch.randn(size, size, generator=g)
@@ -161,10 +175,10 @@ def _measure(pairs, warmup, size, compile, against, alone):
     # weights, which this product has none of)
     arms = {"this tree": reference.check}
     if not alone:         # alternated with the torch check, whose 469 ops evict the caches between
-        arms["torch"] = reference.check_torch
+        arms["torch"] = _as_ops_calls(reference.check_torch)
     if against is not None:
         other = load_other(against)
-        arms["--against"] = other.check
+        arms["--against"] = _as_ops_calls(other.check)
         on_cases = equal_on_cases(other)
         print(f"special cases: {on_cases[0]} of {on_cases[1]} bit-equal with --against")
 

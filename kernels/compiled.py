@@ -12,6 +12,7 @@ The library is compiled once per source, compiler flags and CPU (``-march=native
 fails (no compiler), the torch check runs instead, with one warning that says so.
 ``ABFT_COMPILED=0`` turns the compiled check off (the torch check then runs everywhere).
 """
+import array
 import ctypes
 import functools
 import hashlib
@@ -127,6 +128,7 @@ _TINY = {torch.float16: torch.finfo(torch.float16).tiny, torch.bfloat16: torch.f
 _MAX = {dt: torch.finfo(dt).max for dt in DTYPES}
 _ZERO = torch.zeros(1, dtype=torch.int64)
 _P = ctypes.c_void_p
+_FOUR = (0.0, 0.0, 0.0, 0.0)
 
 
 def usable(a, b, c, addend):
@@ -135,14 +137,16 @@ def usable(a, b, c, addend):
     if torch.compiler.is_compiling() or not enabled():
         return False
     for t in (a, b, c) if addend is None else (a, b, c, addend):
-        if not isinstance(t, torch.Tensor) or type(t) not in (torch.Tensor, torch.nn.Parameter) \
-                or t.device.type != "cpu" or t.layout != torch.strided or t.is_neg():
+        if type(t) not in _PLAIN or not t.is_cpu or t.layout != torch.strided or t.is_neg():
             return False
     if not (a.dtype == b.dtype == c.dtype and c.dtype in DTYPES) or addend is not None and not addend.is_floating_point():
         return False
     if c.numel() == 0 or a.shape[-1] == 0 or a.dim() < 2 or b.dim() < 2:
         return False
     return library() is not None
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)        # not a subclass (DTensor, FakeTensor, ...)
 
 
 def _offsets(x, batch):
@@ -219,10 +223,12 @@ def _packed(units, k, bs, acc, chk, lam, scaled):
     return p
 
 
-def check(a, b, c, *, bm, bn, units, acc, chk, alpha, addend, beta, lam, return_sums, b_stats):
+def check(a, b, c, *, bm, bn, units, acc, chk, alpha, addend, beta, lam, return_sums, b_stats,
+          summary=False):
     """``reference.check`` compiled (its arguments and results; ``usable`` said yes). One call into
     the library: B's statistics (unless kept), A's with the row predictions, the column
-    predictions, one pass over C, the thresholds and the tile records."""
+    predictions, one pass over C, the thresholds and the tile records; with ``summary``, also
+    ``layout.summary`` of the verdict, counted in the same call."""
     m, n, k = c.shape[-2], c.shape[-1], a.shape[-1]
     batch = tuple(c.shape[:-2])
     nbc = math.prod(batch)
@@ -253,25 +259,35 @@ def check(a, b, c, *, bm, bn, units, acc, chk, alpha, addend, beta, lam, return_
     verdict = torch.empty(*batch, tm, tn, 9, dtype=torch.float32)
     det_r = torch.empty(*batch, m, tn, dtype=torch.float32)
     det_c = torch.empty(*batch, tm, n, dtype=torch.float32)
-    res_c, thr_c = torch.empty(*batch, tm, n, dtype=F64), torch.empty(*batch, tm, n, dtype=F64)
-    res_r, thr_r = torch.empty(*batch, m, tn, dtype=F64), torch.empty(*batch, m, tn, dtype=F64)
+    if return_sums:             # else the library keeps them in scratch memory
+        res_c, thr_c = torch.empty(*batch, tm, n, dtype=F64), torch.empty(*batch, tm, n, dtype=F64)
+        res_r, thr_r = torch.empty(*batch, m, tn, dtype=F64), torch.empty(*batch, m, tn, dtype=F64)
+        sums = [res_c.data_ptr(), thr_c.data_ptr(), res_r.data_ptr(), thr_r.data_ptr()]
+    else:
+        sums = (0, 0, 0, 0)
     if b_stats is None:
         kept = [None] * 13
     else:
         s = b_stats
         kept = [z.contiguous() for z in (s.e, s.r1, s.rinf, s.E, s.x1, s.xinf, s.xs1, s.xsinf, s.nu,
                                          s.finite, s.low, s.s)] + [s.absum.contiguous() if cap else None]
+    # the arguments as flat arrays (array.array builds them several times faster than ctypes)
     keep = [*offs[:4], offs[4], ib, places, a, b, c, d, *kept, coef_c, coef_r]
-    ptrs = (_P * len(keep))(*[None if z is None else z.data_ptr() for z in keep])
-    dims = (ctypes.c_int64 * 19)(nbc, max(1, math.prod(bbatch)), m, n, k, bm, bn, c.stride(-2), c.stride(-1),
-                                 a.stride(-2), a.stride(-1), b.stride(-2), b.stride(-1),
-                                 0 if d is None else d.stride(-2), 0 if d is None else d.stride(-1),
-                                 DTYPES[c.dtype], int(cap), torch.get_num_threads(), n_places)
-    scal = (ctypes.c_double * 3)(float(alpha), _TINY.get(c.dtype, 0.0), _MAX[c.dtype])
-    outs = (_P * 7)(verdict.data_ptr(), det_r.data_ptr(), det_c.data_ptr(), res_c.data_ptr(),
-                    thr_c.data_ptr(), res_r.data_ptr(), thr_r.data_ptr())
-    if _lib.abft_check(dims, ptrs, scal, outs):
+    ptrs = array.array("Q", [0 if z is None else z.data_ptr() for z in keep])
+    dims = array.array("q", (nbc, max(1, math.prod(bbatch)), m, n, k, bm, bn, c.stride(-2), c.stride(-1),
+                             a.stride(-2), a.stride(-1), b.stride(-2), b.stride(-1),
+                             0 if d is None else d.stride(-2), 0 if d is None else d.stride(-1),
+                             DTYPES[c.dtype], int(cap), torch.get_num_threads(), n_places))
+    scal = array.array("d", (float(alpha), _TINY.get(c.dtype, 0.0), _MAX[c.dtype]))
+    summ = array.array("d", _FOUR) if summary else None
+    outs = array.array("Q", (verdict.data_ptr(), det_r.data_ptr(), det_c.data_ptr(), *sums,
+                             0 if summ is None else summ.buffer_info()[0]))
+    if _lib.abft_check(dims.buffer_info()[0], ptrs.buffer_info()[0], scal.buffer_info()[0],
+                       outs.buffer_info()[0]):
         raise RuntimeError("abft_check failed")
+    out = (verdict, (det_r, det_c))
     if return_sums:
-        return verdict, (det_r, det_c), dict(res_col=res_c, thr_col=thr_c, res_row=res_r, thr_row=thr_r)
-    return verdict, (det_r, det_c)
+        out += (dict(res_col=res_c, thr_col=thr_c, res_row=res_r, thr_row=thr_r),)
+    if summary:
+        out += (tuple(summ),)
+    return out

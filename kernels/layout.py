@@ -38,5 +38,33 @@ def alarmed(v):
     return (v[..., ROW_RATIO] > 1) | (v[..., COL_RATIO] > 1) | (v[..., STATUS] == NONFINITE)
 
 
+def summary(v):
+    """(alarmed tiles, unverified tiles, tiles, worst ratio) of verdict ``v``: floats for a CPU
+    verdict (the compiled check counts the same in its call), else a float32 tensor of four on
+    ``v``'s device (read later: no host synchronisation here)."""
+    import torch
+    if v.device.type == "cpu" and not torch.compiler.is_compiling():
+        # on the CPU without torch's ten ops: a few tiles in Python, more in numpy
+        x = v.detach().numpy().reshape(-1, NFIELDS)
+        if len(x) <= 16:
+            rows = x.tolist()
+            n_alarmed = sum(r[ROW_RATIO] > 1 or r[COL_RATIO] > 1 or r[STATUS] == NONFINITE for r in rows)
+            n_unverified = sum(r[STATUS] == UNVERIFIED for r in rows)
+            worst = max((max(r[ROW_RATIO], r[COL_RATIO]) for r in rows), default=0.0)
+        else:
+            import numpy as np
+            n_alarmed = alarmed(x).sum()
+            n_unverified = (x[:, STATUS] == UNVERIFIED).sum()
+            worst = np.maximum(x[:, ROW_RATIO], x[:, COL_RATIO]).max()
+        return (float(n_alarmed), float(n_unverified), float(len(x)), float(worst))
+    bad = alarmed(v)
+    unverified = v[..., STATUS] == UNVERIFIED
+    # a fill, not a host-to-device copy: capturable in a CUDA graph
+    tiles = torch.full((), float(v[..., 0].numel()), device=v.device)
+    worst = torch.maximum(v[..., ROW_RATIO], v[..., COL_RATIO])
+    worst = worst.amax() if worst.numel() else tiles * 0
+    return torch.stack([bad.sum().float(), unverified.sum().float(), tiles, worst.float()])
+
+
 FIELD_NAMES = ("row_ratio", "row_fails", "row", "col_ratio", "col_fails", "col",
                "residual", "threshold", "status")

@@ -19,6 +19,7 @@ accumulation modelled as recursive (the order any BLAS may use).
 Cost beyond the product: two thin GEMMs of (M/BM) x K x N and M x K x (N/BN) in float64, and a
 fixed number of elementwise passes and reductions over A, B and C; no host synchronisation.
 """
+import functools
 import math
 
 import torch
@@ -38,7 +39,12 @@ def units_for(c):
     fp32 GEMMs may use tf32 (CUDA: ``allow_tf32``; CPU: a float32 matmul precision below
     "highest"); bf16 GEMMs on CPUs flush subnormal inputs and products to zero."""
     tf32 = c.dtype == torch.float32 and backends.tf32_allowed(c.device)
-    return T.units(c.dtype, tf32=tf32, flush=c.device.type == "cpu" and c.dtype == torch.bfloat16)
+    return _units(c.dtype, tf32, c.device.type == "cpu" and c.dtype == torch.bfloat16)
+
+
+@functools.lru_cache(maxsize=None)
+def _units(dtype, tf32, flush):
+    return T.units(dtype, tf32=tf32, flush=flush)
 
 
 def weight_stats(b, bn):
@@ -202,15 +208,17 @@ def _side(coef, sums, pred, xst, yst, alpha, t):
 
 
 def check(a, b, c, *, bm, bn, units, acc=None, chk=None, alpha=1.0, addend=None, beta=1.0, lam=None,
-          return_sums=False, b_stats=None):
+          return_sums=False, b_stats=None, summary=False):
     """Verify ``c == alpha * a @ b + addend`` tile by tile: the compiled check where it can run
-    (``compiled.usable``), else ``check_torch`` (the same arguments and results)."""
+    (``compiled.usable``), else ``check_torch`` (the same arguments and results). With
+    ``summary``, the results end with ``layout.summary`` of the verdict (on the CPU: a tuple)."""
     if compiled.usable(a, b, c, addend):
         return compiled.check(a, b, c, bm=bm, bn=bn, units=units, acc=acc or T.recursive(a.shape[-1]),
                               chk=chk, alpha=alpha, addend=addend, beta=beta, lam=lam,
-                              return_sums=return_sums, b_stats=b_stats)
-    return check_torch(a, b, c, bm=bm, bn=bn, units=units, acc=acc, chk=chk, alpha=alpha, addend=addend,
-                       beta=beta, lam=lam, return_sums=return_sums, b_stats=b_stats)
+                              return_sums=return_sums, b_stats=b_stats, summary=summary)
+    out = check_torch(a, b, c, bm=bm, bn=bn, units=units, acc=acc, chk=chk, alpha=alpha, addend=addend,
+                      beta=beta, lam=lam, return_sums=return_sums, b_stats=b_stats)
+    return (*out, L.summary(out[0])) if summary else out
 
 
 def check_torch(a, b, c, *, bm, bn, units, acc=None, chk=None, alpha=1.0, addend=None, beta=1.0, lam=None,

@@ -338,3 +338,37 @@ def test_eight_or_more_blocks_a_side_give_the_oracles_verdicts(dtype, k):
     b = torch.randn(70, k, generator=g).to(dtype).t()
     got, want, loose = both(a3, b, a3 @ b, bm=16, bn=8)
     assert differences(got, want, dtype == torch.float64, loose) == []
+
+
+def _bits_equal(x, y):
+    return torch.equal(x.isnan(), y.isnan()) and torch.equal(x.nan_to_num(7.0, 8.0, 9.0), y.nan_to_num(7.0, 8.0, 9.0))
+
+
+def test_the_summary_counted_in_the_call_is_the_verdicts():
+    """The compiled check's summary (tiles alarmed, unverified, all, the worst ratio) is
+    ``layout.summary`` of its own verdict, on every special case (alarms, NONFINITE and unverified
+    tiles, batches of more than 16 tiles); without the sums its verdict and detail are the same."""
+    n = alarmed = unverified = 0
+    for a, b, c, kw in cases():
+        if not compiled.usable(a, b, c, kw.get("addend")):
+            continue
+        kw = dict(kw, units=reference.units_for(c))
+        v, d, s = reference.check(a, b, c, summary=True, **kw)
+        assert s == L.summary(v), (n, a.dtype, tuple(a.shape))
+        v2, d2, _, s2 = reference.check(a, b, c, summary=True, return_sums=True, **kw)
+        assert _bits_equal(v, v2) and all(_bits_equal(x, y) for x, y in zip(d, d2)) and s == s2
+        alarmed += s[0] > 0
+        unverified += s[1] > 0
+        n += 1
+    assert n >= 200 and alarmed >= 20 and unverified >= 20
+    # one tile whose column sums alone fail (a row's two errors cancel), one whose row sums alone do
+    a, b = torch.randn(8, 70, 40), torch.randn(8, 40, 90)
+    c = a @ b
+    c[5, 3, 7] += 1.0
+    c[5, 3, 9] -= 1.0
+    c[6, 40, 70] += 1.0
+    c[6, 42, 70] -= 1.0
+    v, _, s = reference.check(a, b, c, bm=32, bn=32, units=reference.units_for(c), summary=True)
+    rows, cols = v[..., L.ROW_RATIO] > 1, v[..., L.COL_RATIO] > 1
+    assert cols[5, 0, 0] and not rows[5, 0, 0] and rows[6, 1, 2] and not cols[6, 1, 2]
+    assert s == L.summary(v) and s[:3] == (2.0, 0.0, 72.0) and s[3] > 1

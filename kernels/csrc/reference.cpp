@@ -1064,33 +1064,41 @@ struct Pending {
     }
 };
 
+// lanes_sum of sixteen accumulators held as four vectors (lanes 4u..4u+3 in l[u]): the same
+// additions in the same order, three of them four wide
+static inline double lanes_sum4(const v4d* l) {
+    const v4d h = (l[0] + l[2]) + (l[1] + l[3]);
+    return (h[0] + h[2]) + (h[1] + h[3]);
+}
+
 // seg[j] = x[j] as float64 (KEEP) and the sums of x, x^2 and |x| over j < w, in LANES
-// accumulators each
+// accumulators each (held in registers: four vectors per sum)
+static_assert(LANES == 16, "load_sums holds LANES accumulators as four vectors");
 template <bool KEEP, typename T>
 static void load_sums(const T* __restrict x, i64 w, double* __restrict seg, double& s1, double& s2,
                       double& sa) {
-    alignas(64) double a1[LANES] = {}, a2[LANES] = {}, aa[LANES] = {};
+    v4d a1[4], a2[4], aa[4];
+    for (int u = 0; u < 4; u++) a1[u] = a2[u] = aa[u] = splat(0.0);
     i64 j = 0;
     for (; j + LANES <= w; j += LANES) {
-#pragma omp simd
-        for (int l = 0; l < LANES; l++) {
-            double v = cvt(x[j + l]);
-            if (KEEP) seg[j + l] = v;
-            a1[l] += v;
-            a2[l] += v * v;
-            aa[l] += std::fabs(v);
+        for (int u = 0; u < 4; u++) {
+            const v4d v = load4(x + j + 4 * u);
+            if (KEEP) store4(seg + j + 4 * u, v);
+            a1[u] += v;
+            a2[u] += v * v;
+            aa[u] += abs4(v);
         }
     }
     for (; j < w; j++) {
         double v = cvt(x[j]);
         if (KEEP) seg[j] = v;
-        a1[0] += v;
-        a2[0] += v * v;
-        aa[0] += std::fabs(v);
+        a1[0][0] += v;
+        a2[0][0] += v * v;
+        aa[0][0] += std::fabs(v);
     }
-    s1 = lanes_sum(a1);
-    s2 = lanes_sum(a2);
-    sa = lanes_sum(aa);
+    s1 = lanes_sum4(a1);
+    s2 = lanes_sum4(a2);
+    sa = lanes_sum4(aa);
 }
 
 // Statistics kept in the library's own memory (A's always, B's unless the caller kept them).
@@ -1126,6 +1134,7 @@ struct CheckArgs {
     const double *coef_c, *coef_r;
     double alpha, tiny, dtmax;
     int dt, cap, nt;
+    bool units;                      // the residuals and thresholds returned: in C's units
     float* verdict;
     float *detail_r, *detail_c;
     double *res_c, *thr_c, *res_r, *thr_r;
@@ -1481,6 +1490,10 @@ static void check_t(CheckArgs g) {
         }
     }
     STAGE("thr");
+    if (!g.units) {
+        STAGE(".units");
+        return;
+    }
     // residuals and thresholds in C's units
 #pragma omp parallel for num_threads(threads_for(g.nt, (double)jobs * N))
     for (i64 job = 0; job < jobs; job++) {
@@ -1501,12 +1514,28 @@ static void check_t(CheckArgs g) {
     STAGE(".units");
 }
 
+// layout.summary of the verdict: tiles alarmed (a ratio above 1, or NONFINITE), unverified, all
+// tiles, the worst ratio; from the float32 fields, as the policy reads them
+static void summarize(const CheckArgs& g, double* out) {
+    const i64 n = g.nbc * ((g.M + g.bm - 1) / g.bm) * ((g.N + g.bn - 1) / g.bn);
+    double alarmed = 0, unverified = 0, worst = 0;
+    for (i64 t = 0; t < n; t++) {
+        const float* v = g.verdict + t * 9;
+        alarmed += (v[0] > 1 || v[3] > 1 || v[8] == 2.0f) ? 1 : 0;
+        unverified += v[8] == 1.0f ? 1 : 0;
+        const double w = v[0] > v[3] ? v[0] : v[3];
+        worst = (t == 0 || w > worst) ? w : worst;
+    }
+    out[0] = alarmed; out[1] = unverified; out[2] = (double)n; out[3] = worst;
+}
+
 // dims: nbc, nbb, M, N, K, bm, bn, strides of C (m, n), A (m, k), B (k, n), the addend (m, n), dtype,
 // cap, threads, number of sampled places. ptrs: offsets of C, A, B per c-batch, of B per b-batch,
 // of the addend; ib; places; a, b, c, addend; B's kept statistics (11 fields, then s and absum;
 // all null: computed here); coefficients (col, row). scal: alpha, the half type's smallest normal
 // (0: not a half type), the dtype's largest value. outs: verdict, row and column ratios, then the
-// residuals and thresholds of the column and the row sums.
+// residuals and thresholds of the column and the row sums (null: not returned), the verdict's
+// summary (null: not returned).
 extern "C" int abft_check(const i64* dims, const void* const* ptrs, const double* scal, void* const* outs) {
     CheckArgs g;
     g.nbc = dims[0]; g.nbb = dims[1]; g.M = dims[2]; g.N = dims[3]; g.K = dims[4]; g.bm = dims[5]; g.bn = dims[6];
@@ -1528,7 +1557,17 @@ extern "C" int abft_check(const i64* dims, const void* const* ptrs, const double
     g.coef_c = (const double*)ptrs[i++]; g.coef_r = (const double*)ptrs[i++];
     g.alpha = scal[0]; g.tiny = scal[1]; g.dtmax = scal[2];
     g.verdict = (float*)outs[0]; g.detail_r = (float*)outs[1]; g.detail_c = (float*)outs[2];
-    g.res_c = (double*)outs[3]; g.thr_c = (double*)outs[4]; g.res_r = (double*)outs[5]; g.thr_r = (double*)outs[6];
+    // the residuals and thresholds: the caller's (then in C's units), else scratch here
+    std::vector<double> scratch;
+    g.units = outs[3] != nullptr;
+    if (g.units) {
+        g.res_c = (double*)outs[3]; g.thr_c = (double*)outs[4]; g.res_r = (double*)outs[5]; g.thr_r = (double*)outs[6];
+    } else {
+        const i64 nc = g.nbc * ((g.M + g.bm - 1) / g.bm) * g.N, nr = g.nbc * g.M * ((g.N + g.bn - 1) / g.bn);
+        scratch.resize(2 * (nc + nr));
+        g.res_c = scratch.data(); g.thr_c = g.res_c + nc; g.res_r = g.thr_c + nc; g.thr_r = g.res_r + nr;
+    }
     DISPATCH(g.dt, check_t, g);
+    if (outs[7] != nullptr) summarize(g, (double*)outs[7]);
     return 0;
 }
