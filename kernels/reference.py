@@ -19,7 +19,6 @@ accumulation modelled as recursive (the order any BLAS may use).
 Cost beyond the product: two thin GEMMs of (M/BM) x K x N and M x K x (N/BN) in float64, and a
 fixed number of elementwise passes and reductions over A, B and C; no host synchronisation.
 """
-import functools
 import math
 
 import torch
@@ -39,12 +38,7 @@ def units_for(c):
     fp32 GEMMs may use tf32 (CUDA: ``allow_tf32``; CPU: a float32 matmul precision below
     "highest"); bf16 GEMMs on CPUs flush subnormal inputs and products to zero."""
     tf32 = c.dtype == torch.float32 and backends.tf32_allowed(c.device)
-    return _units(c.dtype, tf32, c.device.type == "cpu" and c.dtype == torch.bfloat16)
-
-
-@functools.lru_cache(maxsize=None)
-def _units(dtype, tf32, flush):
-    return T.units(dtype, tf32=tf32, flush=flush)
+    return T.units(c.dtype, tf32=tf32, flush=c.device.type == "cpu" and c.dtype == torch.bfloat16)
 
 
 def weight_stats(b, bn):
