@@ -140,6 +140,36 @@ static inline double lanes_max(const double* l) {
     return m;
 }
 
+// Four consecutive elements as float64 lanes (GCC vector extensions: SSE2 pairs where the target
+// has no AVX; the AVX conversions where it has)
+typedef double v4d __attribute__((vector_size(32)));
+static inline v4d splat(double x) { return (v4d){x, x, x, x}; }
+typedef double v4d_u __attribute__((vector_size(32), aligned(8)));
+typedef long long v4i __attribute__((vector_size(32)));
+static inline v4d abs4(v4d x) { return (v4d)((v4i)x & ~(v4i)splat(-0.0)); }
+static inline v4d load4(const double* p) { return *(const v4d_u*)p; }
+static inline void store4(double* p, v4d x) { *(v4d_u*)p = x; }
+template <typename T>
+static inline v4d load4(const T* p) { return (v4d){cvt(p[0]), cvt(p[1]), cvt(p[2]), cvt(p[3])}; }
+#if defined(__AVX__) && defined(__F16C__)
+static inline v4d load4(const float* p) { return (v4d)_mm256_cvtps_pd(_mm_loadu_ps(p)); }
+static inline v4d load4(const bf16_t* p) {
+    __m128i h = _mm_loadl_epi64((const __m128i*)p);
+    return (v4d)_mm256_cvtps_pd(_mm_castsi128_ps(_mm_unpacklo_epi16(_mm_setzero_si128(), h)));
+}
+static inline v4d load4(const f16_t* p) {
+    return (v4d)_mm256_cvtps_pd(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)p)));
+}
+#endif
+
+// lanes_sum of sixteen accumulators held as four vectors (lanes 4u..4u+3 in l[u]): the same
+// additions in the same order, three of them four wide
+static_assert(LANES == 16, "lanes_sum4 holds LANES accumulators as four vectors");
+static inline double lanes_sum4(const v4d* l) {
+    const v4d h = (l[0] + l[2]) + (l[1] + l[3]);
+    return (h[0] + h[2]) + (h[1] + h[3]);
+}
+
 // out[q * os] = m * sum_k v[k] rows[q * K + k] for q < n: one vector against n rows, four at a time
 template <typename V>
 static void dots(const V* v, const double* rows, i64 n, i64 K, double m, double* out, i64 os) {
@@ -160,15 +190,15 @@ static void dots(const V* v, const double* rows, i64 n, i64 K, double m, double*
         out[(q + 2) * os] = a2 * m;
         out[(q + 3) * os] = a3 * m;
     }
-    for (; q < n; q++) {
+    for (; q < n; q++) {           // LANES accumulators in registers (four vectors)
         const double* rq = rows + q * K;
-        alignas(64) double a[LANES] = {};
+        v4d a[4];
+        for (int u = 0; u < 4; u++) a[u] = splat(0.0);
         i64 k = 0;
         for (; k + LANES <= K; k += LANES)
-#pragma omp simd
-            for (int l = 0; l < LANES; l++) a[l] += cvt(v[k + l]) * rq[k + l];
-        for (; k < K; k++) a[0] += cvt(v[k]) * rq[k];
-        out[q * os] = lanes_sum(a) * m;
+            for (int u = 0; u < 4; u++) a[u] += load4(v + k + 4 * u) * load4(rq + k + 4 * u);
+        for (; k < K; k++) a[0][0] += cvt(v[k]) * rq[k];
+        out[q * os] = lanes_sum4(a) * m;
     }
 }
 
@@ -201,28 +231,6 @@ static void dots2(const V* v0, const V* v1, const double* rows, i64 n, i64 K, do
     }
 }
 
-
-// Four consecutive elements as float64 lanes (GCC vector extensions: SSE2 pairs where the target
-// has no AVX; the AVX conversions where it has)
-typedef double v4d __attribute__((vector_size(32)));
-static inline v4d splat(double x) { return (v4d){x, x, x, x}; }
-typedef double v4d_u __attribute__((vector_size(32), aligned(8)));
-typedef long long v4i __attribute__((vector_size(32)));
-static inline v4d abs4(v4d x) { return (v4d)((v4i)x & ~(v4i)splat(-0.0)); }
-static inline v4d load4(const double* p) { return *(const v4d_u*)p; }
-static inline void store4(double* p, v4d x) { *(v4d_u*)p = x; }
-template <typename T>
-static inline v4d load4(const T* p) { return (v4d){cvt(p[0]), cvt(p[1]), cvt(p[2]), cvt(p[3])}; }
-#if defined(__AVX__) && defined(__F16C__)
-static inline v4d load4(const float* p) { return (v4d)_mm256_cvtps_pd(_mm_loadu_ps(p)); }
-static inline v4d load4(const bf16_t* p) {
-    __m128i h = _mm_loadl_epi64((const __m128i*)p);
-    return (v4d)_mm256_cvtps_pd(_mm_castsi128_ps(_mm_unpacklo_epi16(_mm_setzero_si128(), h)));
-}
-static inline v4d load4(const f16_t* p) {
-    return (v4d)_mm256_cvtps_pd(_mm_cvtph_ps(_mm_loadl_epi64((const __m128i*)p)));
-}
-#endif
 
 // ---------------------------------------------------------------------------------------------
 // out[r * os + q] (+= where add) sum_k x[r * sx + k] yt[k * S8 + q] for k < kc, NR rows of x and
@@ -593,19 +601,20 @@ static void stats_block(const T* x, i64 R, i64 K, i64 sr, i64 sk, i64 bs, i64 p,
                 double* __restrict am = amax.data();
                 double* __restrict rq = rsq.data();
                 double* __restrict bf = buf;
-                alignas(64) double l1[LANES] = {}, l2[LANES] = {}, la[LANES] = {};
+                v4d l1[4], l2[4], la[4];       // LANES accumulators each, in registers
+                for (int u = 0; u < 4; u++) l1[u] = l2[u] = la[u] = splat(0.0);
                 if (pf && k + PF_AHEAD < K) prefetch_run(xk + PF_AHEAD * sk, nr);
                 i64 r = 0;
                 for (; r + LANES <= nr; r += LANES) {
-#pragma omp simd
-                    for (int l = 0; l < LANES; l++) {
-                        double v = cvt(xk[r + l]), av = std::fabs(v);
-                        bf[r + l] = v;
-                        am[r + l] = am[r + l] > av ? am[r + l] : av;     // NaN dropped: fixed below
-                        rq[r + l] += v * v;
-                        l1[l] += v;
-                        l2[l] += v * v;
-                        la[l] += av;
+                    for (int u = 0; u < 4; u++) {
+                        const i64 o = r + 4 * u;
+                        const v4d v = load4(xk + o), av = abs4(v), m = load4(am + o);
+                        store4(bf + o, v);
+                        store4(am + o, m > av ? m : av);              // NaN dropped: fixed below
+                        store4(rq + o, load4(rq + o) + v * v);
+                        l1[u] += v;
+                        l2[u] += v * v;
+                        la[u] += av;
                     }
                 }
                 for (; r < nr; r++) {
@@ -613,13 +622,13 @@ static void stats_block(const T* x, i64 R, i64 K, i64 sr, i64 sk, i64 bs, i64 p,
                     bf[r] = v;
                     am[r] = am[r] > av ? am[r] : av;
                     rq[r] += v * v;
-                    l1[0] += v;
-                    l2[0] += v * v;
-                    la[0] += av;
+                    l1[0][0] += v;
+                    l2[0][0] += v * v;
+                    la[0][0] += av;
                 }
-                s = lanes_sum(l1);
-                s2 = lanes_sum(l2);
-                sa = lanes_sum(la);
+                s = lanes_sum4(l1);
+                s2 = lanes_sum4(l2);
+                sa = lanes_sum4(la);
             } else {
                 for (i64 r = 0; r < nr; r++) {
                     double v = buf[r] * rowsc[r], vb = buf[r] * blksc[r], f = blksc[r] / rowsc[r];
@@ -955,7 +964,8 @@ static double eta2_of(const double* c, double ex) {
 }
 
 // The threshold of one checked sum (threshold.threshold, term for term; eta2 = eta2_of(c, ex)).
-static double threshold(const double* c, double s1, double s2, double sa, double pred, double x1,
+static inline __attribute__((always_inline)) double threshold(const double* c, double s1, double s2, double sa,
+                                                              double pred, double x1,
                         double xinf, double xs1, double xsinf, double y1, double yinf, double nu,
                         bool low, double ex, double ey, bool has_d, double d2, double da, bool has_t,
                         double t, double nout, double eta2) {
@@ -1064,16 +1074,8 @@ struct Pending {
     }
 };
 
-// lanes_sum of sixteen accumulators held as four vectors (lanes 4u..4u+3 in l[u]): the same
-// additions in the same order, three of them four wide
-static inline double lanes_sum4(const v4d* l) {
-    const v4d h = (l[0] + l[2]) + (l[1] + l[3]);
-    return (h[0] + h[2]) + (h[1] + h[3]);
-}
-
 // seg[j] = x[j] as float64 (KEEP) and the sums of x, x^2 and |x| over j < w, in LANES
 // accumulators each (held in registers: four vectors per sum)
-static_assert(LANES == 16, "load_sums holds LANES accumulators as four vectors");
 template <bool KEEP, typename T>
 static void load_sums(const T* __restrict x, i64 w, double* __restrict seg, double& s1, double& s2,
                       double& sa) {
@@ -1190,11 +1192,15 @@ static void check_t(CheckArgs g) {
             const T* a = (const T*)g.a + g.offa[b];
             const double* eA = g.A.e + b * M;
             const double* aB = g.absB + bb * TN * K;
-            std::vector<double> row(K);
+            std::vector<double> row(K + 4);
             for (i64 i = 0; i < M; i++) {
                 const double sc = pow2(-eA[i]);
-                for (i64 k = 0; k < K; k++) {
-                    double v = std::fabs(cvt(a[i * g.sam + k * g.sak]));
+                const T* ai = a + i * g.sam;
+                i64 k = 0;
+                if (g.sak == 1 && !pre)                // contiguous: four at a time
+                    for (; k + 4 <= K; k += 4) store4(row.data() + k, abs4(load4(ai + k)));
+                for (; k < K; k++) {
+                    double v = std::fabs(cvt(ai[k * g.sak]));
                     row[k] = pre ? v * sc : v;
                 }
                 dots(row.data(), aB, TN, K, pre ? 1.0 : sc, &trow[(b * M + i) * TN], 1);
@@ -1394,10 +1400,8 @@ static void check_t(CheckArgs g) {
                     g.thr_r[(b * M + i) * TN + q] = thr;
                 }
             }
-            // row norms of A's block (the overflow bound)
-            double pa_max = 0;
-            for (i64 i = i0; i < i1; i++)
-                pa_max = nmax(pa_max, std::sqrt(g.A.r1[b * M + i]) * pow2(eA[i]));
+            // row norms of A's block (the overflow bound): taken where a tile's C is not finite
+            double pa_max = -1;
             for (i64 q = 0; q < TN; q++) {
                 const i64 j0 = q * bn, j1 = std::min(N, j0 + bn);
                 bool b_fin = true;
@@ -1409,7 +1413,6 @@ static void check_t(CheckArgs g) {
                     if (has_d && z[8] != 0) inputs_ok = false;
                     thr_ok &= fin(tcp[j]);
                     c_bad |= z[3] > 0;
-                    pkb = nmax(pkb, std::sqrt(g.B.r1[bb * N + j]) * pow2(fB[j]));
                     if (any_nf && z[3] == 1) {
                         double lim = g.dtmax * pow2(-(EA[p] + fB[j]));
                         fault |= std::fabs(rcp[j]) + tcp[j] < lim;
@@ -1427,6 +1430,12 @@ static void check_t(CheckArgs g) {
                 }
                 double status = (inputs_ok && thr_ok) ? 0.0 : 1.0;
                 if (any_nf && c_bad) {
+                    if (pa_max < 0) {
+                        pa_max = 0;
+                        for (i64 i = i0; i < i1; i++)
+                            pa_max = nmax(pa_max, std::sqrt(g.A.r1[b * M + i]) * pow2(eA[i]));
+                    }
+                    for (i64 j = j0; j < j1; j++) pkb = nmax(pkb, std::sqrt(g.B.r1[bb * N + j]) * pow2(fB[j]));
                     double peak = pa_max * pkb * aabs;
                     if (has_d) {
                         const double* d = g.d + g.offd[b];
