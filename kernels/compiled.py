@@ -127,7 +127,6 @@ DTYPES = {torch.float32: 0, torch.float64: 1, torch.bfloat16: 2, torch.float16: 
 _TINY = {torch.float16: torch.finfo(torch.float16).tiny, torch.bfloat16: torch.finfo(torch.bfloat16).tiny}
 _MAX = {dt: torch.finfo(dt).max for dt in DTYPES}
 _ZERO = torch.zeros(1, dtype=torch.int64)
-_P = ctypes.c_void_p
 _FOUR = (0.0, 0.0, 0.0, 0.0)
 
 
