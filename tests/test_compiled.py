@@ -377,3 +377,31 @@ def test_the_summary_counted_in_the_call_is_the_verdicts():
     rows, cols = v[..., L.ROW_RATIO] > 1, v[..., L.COL_RATIO] > 1
     assert cols[5, 0, 0] and not rows[5, 0, 0] and rows[6, 1, 2] and not cols[6, 1, 2]
     assert s == L.summary(v) and s[:3] == (2.0, 0.0, 72.0) and s[3] > 1
+
+
+def test_buffers_kept_between_calls_carry_nothing_over():
+    """A small product's check reuses its thread's buffers: after larger checks with non-finite
+    values, faults and kept statistics on this thread, a check gives bit for bit what it gives
+    on a fresh thread."""
+    import threading
+
+    g = torch.Generator().manual_seed(3)
+    a, b = torch.randn(3, 40, 24, generator=g), torch.randn(3, 24, 56, generator=g)
+    c = a @ b
+    c[1, 5, 7] += 0.5
+    kw = dict(bm=16, bn=32, units=reference.units_for(c), summary=True)
+    both = lambda: (reference.check(a, b, c, return_sums=True, **kw), reference.check(a, b, c, **kw))
+    fresh = []
+    t = threading.Thread(target=lambda: fresh.append(both()))
+    t.start()
+    t.join()
+    for x, y, z, kw2 in cases():                 # larger, non-finite, kept-statistics checks first
+        if compiled.usable(x, y, z, kw2.get("addend")):
+            reference.check(x, y, z, **dict(kw2, units=reference.units_for(z)))
+    big = torch.randn(4, 300, 200, generator=g)
+    reference.check(big, big.mT, big @ big.mT, bm=64, bn=64, units=reference.units_for(big))
+    (v0, d0, s0, m0), (w0, e0, n0) = fresh[0]
+    (v1, d1, s1, m1), (w1, e1, n1) = both()
+    for x, y in ((v0, v1), (w0, w1), (v0, w1), *zip(d0, d1), *zip(e0, e1), *zip(s0.values(), s1.values())):
+        assert _bits_equal(x, y)
+    assert m0 == m1 == n0 == n1 and m0[0] == 1.0

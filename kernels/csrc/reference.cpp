@@ -447,6 +447,8 @@ static i64 most_equal(const double* a, const double* b, const uint8_t* ok, i64 n
 // at 4096^2 float32 the strided statistics took 7.7 ms with it against 11.3 without; operands that
 // stay in the caches gain nothing). A fixed size: a VM's sysconf reports the host's whole L3.
 constexpr i64 PF_AHEAD = 8, PF_BYTES = 8 << 20;
+// products of up to this many elements (A, B and C together) reuse their calling thread's buffers
+constexpr double REUSE_ELEMENTS = 1 << 22;
 template <typename T>
 static inline void prefetch_run(const T* p, i64 n) {
     for (i64 j = 0; j < n; j += 64 / sizeof(T)) __builtin_prefetch(p + j);
@@ -455,12 +457,16 @@ template <typename T>
 static void stats_block(const T* x, i64 R, i64 K, i64 sr, i64 sk, i64 bs, i64 p, const i64* places,
                         i64 np, const double* rhs, const double* rhsT, i64 S, bool need_abs, bool need_low,
                         bool pre, StatsOut o, i64 rbase, i64 tbase, double* bsum, double* bsq, double* babs,
-                        double* buf, double* xb, double* tg) {
+                        double* buf, double* xb, double* tg, double* rowv) {
     i64 i0 = p * bs, i1 = std::min(R, i0 + bs), nr = i1 - i0;
     bool rowmajor = !(sr == 1 && sk != 1 && R > 1);
     const bool pf = !rowmajor && R * K * (i64)sizeof(T) >= PF_BYTES;
     // per row: max |x| and its exponent (float64 operands: before anything else)
-    std::vector<double> amax(nr, 0.0), rsq(nr, 0.0);
+    // per row (rowv: five rows' worth, the caller's per thread): max |x|, sum of squares, exponent,
+    // the row's and the block's scales
+    double *amax = rowv, *rsq = rowv + nr, *e = rowv + 2 * nr, *rowsc = rowv + 3 * nr, *blksc = rowv + 4 * nr;
+    std::fill(amax, amax + 2 * nr, 0.0);
+    std::fill(rowsc, rowsc + 2 * nr, 1.0);
     auto at = [&](i64 i, i64 k) { return cvt(x[i * sr + k * sk]); };
     auto amax_pass = [&]() {
         if (rowmajor) {
@@ -474,7 +480,6 @@ static void stats_block(const T* x, i64 R, i64 K, i64 sr, i64 sk, i64 bs, i64 p,
                 for (i64 i = i0; i < i1; i++) amax[i - i0] = nmax(amax[i - i0], std::fabs(at(i, k)));
         }
     };
-    std::vector<double> e(nr), rowsc(nr, 1.0), blksc(nr, 1.0);
     double E = 0.0;
     auto exps = [&]() {
         double Em = -INF;
@@ -598,8 +603,8 @@ static void stats_block(const T* x, i64 R, i64 K, i64 sr, i64 sk, i64 bs, i64 p,
             if (pre)
                 for (i64 r = 0; r < nr; r++) buf[r] = cvt(xk[r]);
             if (!pre) {
-                double* __restrict am = amax.data();
-                double* __restrict rq = rsq.data();
+                double* __restrict am = amax;
+                double* __restrict rq = rsq;
                 double* __restrict bf = buf;
                 v4d l1[4], l2[4], la[4];       // LANES accumulators each, in registers
                 for (int u = 0; u < 4; u++) l1[u] = l2[u] = la[u] = splat(0.0);
@@ -730,7 +735,7 @@ static void stats_t(const void* xv, i64 nb, const i64* offs, i64 R, i64 K, i64 s
 #pragma omp parallel num_threads(threads_for(nt, (double)nb * R * K))
     {
         std::vector<double> bsum(K + 1), bsq(K + 1), babs(need_abs ? K + 1 : 1), buf(wbuf + 1),
-            xb(tiles ? ROWS_G * KC : 0), tg(tiles ? ROWS_G * S8 : 0);
+            xb(tiles ? ROWS_G * KC : 0), tg(tiles ? ROWS_G * S8 : 0), rowv(5 * std::min(bs, R) + 1);
 #pragma omp for schedule(dynamic, 1)
         for (i64 job = 0; job < jobs; job++) {
             i64 b = job / tb, p = job % tb;
@@ -738,7 +743,7 @@ static void stats_t(const void* xv, i64 nb, const i64* offs, i64 R, i64 K, i64 s
                            rhs ? rhs + rhs_idx[b] * S * K : nullptr,
                            tiles ? rhsT.data() + rhs_idx[b] * K * S8 : nullptr, S, need_abs, need_low, pre,
                            o, b * R, b * tb, bsum.data(), bsq.data(), babs.data(), buf.data(), xb.data(),
-                           tg.data());
+                           tg.data(), rowv.data());
         }
     }
 }
@@ -1104,17 +1109,25 @@ static void load_sums(const T* __restrict x, i64 w, double* __restrict seg, doub
 }
 
 // Statistics kept in the library's own memory (A's always, B's unless the caller kept them).
+// Grown, never shrunk: every element a call reads it has written first (a buffer reused across
+// calls keeps the last call's values beyond that).
+template <typename X>
+static X* grown(std::vector<X>& v, i64 n) {
+    if ((i64)v.size() < n) v.resize(n);
+    return v.data();
+}
+
 struct StatsBuf {
     std::vector<double> e, r1, rinf, E, x1, xinf, xs1, xsinf, nu, s, absum, times;
     std::vector<uint8_t> finite, low;
     StatsOut out(i64 nb, i64 R, i64 T, i64 K, bool need_abs, i64 S) {
-        for (auto* v : {&e, &r1, &rinf}) v->resize(nb * R);
-        for (auto* v : {&E, &x1, &xinf, &xs1, &xsinf, &nu}) v->resize(nb * T);
-        finite.resize(nb * R);
-        low.resize(nb * R);
-        s.resize(nb * T * K);
-        absum.resize(need_abs ? nb * T * K : 0);
-        times.resize(S ? nb * R * S : 0);
+        for (auto* v : {&e, &r1, &rinf}) grown(*v, nb * R);
+        for (auto* v : {&E, &x1, &xinf, &xs1, &xsinf, &nu}) grown(*v, nb * T);
+        grown(finite, nb * R);
+        grown(low, nb * R);
+        grown(s, nb * T * K);
+        grown(absum, need_abs ? nb * T * K : 0);
+        grown(times, S ? nb * R * S : 0);
         return StatsOut{e.data(), r1.data(), rinf.data(), E.data(), x1.data(), xinf.data(), xs1.data(),
                         xsinf.data(), nu.data(), s.data(), need_abs ? absum.data() : nullptr,
                         S ? times.data() : nullptr, finite.data(), low.data()};
@@ -1147,8 +1160,18 @@ static void check_t(CheckArgs g) {
     const i64 M = g.M, N = g.N, K = g.K, bm = g.bm, bn = g.bn;
     const i64 TM = (M + bm - 1) / bm, TN = (N + bn - 1) / bn;
     STAGE(">");
+    // A small product reuses its calling thread's buffers (its allocations and their zeroing cost
+    // more than its arithmetic: 15% of a 64^3 check); a large one allocates its own per call.
+    struct Buffers {
+        StatsBuf bs, as;
+        std::vector<double> predc, tcol, trow, colz, rowz;
+        std::vector<uint8_t> anynf;
+    };
+    thread_local Buffers kept;
+    Buffers fresh;
+    Buffers& bufs = (double)g.nbc * (M * K + K * N + M * N) <= REUSE_ELEMENTS ? kept : fresh;
+    StatsBuf &bs_ = bufs.bs, &as_ = bufs.as;
     // B's statistics (the columns of B: rows of B^T), unless kept; then A's with the row predictions
-    StatsBuf bs_, as_;
     if (g.B.e == nullptr) {
         StatsOut o = bs_.out(g.nbb, N, TN, K, g.cap != 0, 0);
         stats_t<T>(g.b, g.nbb, g.offbb, N, K, g.sbn, g.sbk, bn, g.places, g.np, nullptr, nullptr, 0,
@@ -1175,19 +1198,21 @@ static void check_t(CheckArgs g) {
     STAGE("statsA");
     const i64 nz = has_d ? 10 : 5;
     // per c-batch buffers: predicted column sums, worst-case products, output sums
-    std::vector<double> predc(g.nbc * TM * N), tcol(g.cap ? g.nbc * TM * N : 0),
-        trow(g.cap ? g.nbc * M * TN : 0), colz(g.nbc * TM * N * nz), rowz(g.nbc * M * TN * nz);
-    std::vector<uint8_t> anynf(g.nbc * TM, 0);
+    double *predc = grown(bufs.predc, g.nbc * TM * N), *tcol = grown(bufs.tcol, g.cap ? g.nbc * TM * N : 0),
+           *trow = grown(bufs.trow, g.cap ? g.nbc * M * TN : 0), *colz = grown(bufs.colz, g.nbc * TM * N * nz),
+           *rowz = grown(bufs.rowz, g.nbc * M * TN * nz);
+    uint8_t* anynf = grown(bufs.anynf, g.nbc * TM);
+    std::fill(anynf, anynf + g.nbc * TM, 0);
     // the thin products: across batches when there are several, else within the one
     // (no nested parallel regions: libgomp would start a fresh team of threads for each)
     auto thin_products = [&](i64 b, int nt) {
         i64 bb = g.ib[b];
         const double* fB = g.B.e + bb * N;
         thin_t<T>((const T*)g.b + g.offb[b], K, N, g.sbk, g.sbn, g.sA + b * TM * K, TM, fB, false, pre,
-                  nt, predc.data() + b * TM * N);
+                  nt, predc + b * TM * N);
         if (g.cap) {
             thin_t<T>((const T*)g.b + g.offb[b], K, N, g.sbk, g.sbn, g.absA + b * TM * K, TM, fB, true,
-                      pre, nt, tcol.data() + b * TM * N);
+                      pre, nt, tcol + b * TM * N);
             // t_row: (|a| 2^-e) @ absum_B^T, rows of A: (M, TN)
             const T* a = (const T*)g.a + g.offa[b];
             const double* eA = g.A.e + b * M;
@@ -1345,7 +1370,7 @@ static void check_t(CheckArgs g) {
         for (i64 q = 0; q < TN; q++)
             for (i64 j = q * bn; j < std::min(N, (q + 1) * bn); j++) blowq[bb * TN + q] |= g.B.low[bb * N + j];
     bool any_nf = false;
-    for (auto v : anynf) any_nf |= v != 0;
+    for (i64 j = 0; j < g.nbc * TM; j++) any_nf |= anynf[j] != 0;
     const bool half = g.tiny > 0;
     // thresholds, ratios and the tile records
 #pragma omp parallel num_threads(threads_for(g.nt, (double)g.nbc * (M * TN + TM * N) * 20))
@@ -1567,14 +1592,16 @@ extern "C" int abft_check(const i64* dims, const void* const* ptrs, const double
     g.alpha = scal[0]; g.tiny = scal[1]; g.dtmax = scal[2];
     g.verdict = (float*)outs[0]; g.detail_r = (float*)outs[1]; g.detail_c = (float*)outs[2];
     // the residuals and thresholds: the caller's (then in C's units), else scratch here
-    std::vector<double> scratch;
+    thread_local std::vector<double> kept;
+    std::vector<double> fresh;
     g.units = outs[3] != nullptr;
     if (g.units) {
         g.res_c = (double*)outs[3]; g.thr_c = (double*)outs[4]; g.res_r = (double*)outs[5]; g.thr_r = (double*)outs[6];
     } else {
         const i64 nc = g.nbc * ((g.M + g.bm - 1) / g.bm) * g.N, nr = g.nbc * g.M * ((g.N + g.bn - 1) / g.bn);
-        scratch.resize(2 * (nc + nr));
-        g.res_c = scratch.data(); g.thr_c = g.res_c + nc; g.res_r = g.thr_c + nc; g.thr_r = g.res_r + nr;
+        const bool small = (double)g.nbc * (g.M * g.K + g.K * g.N + g.M * g.N) <= REUSE_ELEMENTS;
+        g.res_c = grown(small ? kept : fresh, 2 * (nc + nr));
+        g.thr_c = g.res_c + nc; g.res_r = g.thr_c + nc; g.thr_r = g.res_r + nr;
     }
     DISPATCH(g.dt, check_t, g);
     if (outs[7] != nullptr) summarize(g, (double*)outs[7]);
