@@ -447,8 +447,9 @@ static i64 most_equal(const double* a, const double* b, const uint8_t* ok, i64 n
 // at 4096^2 float32 the strided statistics took 7.7 ms with it against 11.3 without; operands that
 // stay in the caches gain nothing). A fixed size: a VM's sysconf reports the host's whole L3.
 constexpr i64 PF_AHEAD = 8, PF_BYTES = 8 << 20;
-// products of up to this many elements (A, B and C together) reuse their calling thread's buffers
-constexpr double REUSE_ELEMENTS = 1 << 22;
+// a check whose buffers hold up to this many doubles reuses its calling thread's (about 4 MB kept
+// per thread at most); larger ones allocate their own per call
+constexpr double REUSE_DOUBLES = 1 << 19;
 template <typename T>
 static inline void prefetch_run(const T* p, i64 n) {
     for (i64 j = 0; j < n; j += 64 / sizeof(T)) __builtin_prefetch(p + j);
@@ -1155,12 +1156,19 @@ struct CheckArgs {
     double *res_c, *thr_c, *res_r, *thr_r;
 };
 
+// The doubles a check's buffers hold, from above: statistics per row and block, block sums, output
+// sums and predictions per sum, residuals and thresholds
+static double footprint(const CheckArgs& g) {
+    const double M = g.M, N = g.N, K = g.K, TM = std::ceil(M / g.bm), TN = std::ceil(N / g.bn);
+    return g.nbc * ((M * TN + TM * N) * 16 + (M + N) * 16 + (TM + TN) * K * 2);
+}
+
 template <typename T>
 static void check_t(CheckArgs g) {
     const i64 M = g.M, N = g.N, K = g.K, bm = g.bm, bn = g.bn;
     const i64 TM = (M + bm - 1) / bm, TN = (N + bn - 1) / bn;
     STAGE(">");
-    // A small product reuses its calling thread's buffers (its allocations and their zeroing cost
+    // A small check reuses its calling thread's buffers (its allocations and their zeroing cost
     // more than its arithmetic: 15% of a 64^3 check); a large one allocates its own per call.
     struct Buffers {
         StatsBuf bs, as;
@@ -1169,7 +1177,7 @@ static void check_t(CheckArgs g) {
     };
     thread_local Buffers kept;
     Buffers fresh;
-    Buffers& bufs = (double)g.nbc * (M * K + K * N + M * N) <= REUSE_ELEMENTS ? kept : fresh;
+    Buffers& bufs = footprint(g) <= REUSE_DOUBLES ? kept : fresh;
     StatsBuf &bs_ = bufs.bs, &as_ = bufs.as;
     // B's statistics (the columns of B: rows of B^T), unless kept; then A's with the row predictions
     if (g.B.e == nullptr) {
@@ -1599,8 +1607,7 @@ extern "C" int abft_check(const i64* dims, const void* const* ptrs, const double
         g.res_c = (double*)outs[3]; g.thr_c = (double*)outs[4]; g.res_r = (double*)outs[5]; g.thr_r = (double*)outs[6];
     } else {
         const i64 nc = g.nbc * ((g.M + g.bm - 1) / g.bm) * g.N, nr = g.nbc * g.M * ((g.N + g.bn - 1) / g.bn);
-        const bool small = (double)g.nbc * (g.M * g.K + g.K * g.N + g.M * g.N) <= REUSE_ELEMENTS;
-        g.res_c = grown(small ? kept : fresh, 2 * (nc + nr));
+        g.res_c = grown(footprint(g) <= REUSE_DOUBLES ? kept : fresh, 2 * (nc + nr));
         g.thr_c = g.res_c + nc; g.res_r = g.thr_c + nc; g.thr_r = g.res_r + nr;
     }
     DISPATCH(g.dt, check_t, g);
