@@ -1151,6 +1151,7 @@ struct CheckArgs {
     double alpha, tiny, dtmax;
     int dt, cap, nt;
     bool units;                      // the residuals and thresholds returned: in C's units
+    bool reuse;                      // the buffers are the calling thread's (footprint <= REUSE_DOUBLES)
     float* verdict;
     float *detail_r, *detail_c;
     double *res_c, *thr_c, *res_r, *thr_r;
@@ -1177,7 +1178,7 @@ static void check_t(CheckArgs g) {
     };
     thread_local Buffers kept;
     Buffers fresh;
-    Buffers& bufs = footprint(g) <= REUSE_DOUBLES ? kept : fresh;
+    Buffers& bufs = g.reuse ? kept : fresh;
     StatsBuf &bs_ = bufs.bs, &as_ = bufs.as;
     // B's statistics (the columns of B: rows of B^T), unless kept; then A's with the row predictions
     if (g.B.e == nullptr) {
@@ -1603,11 +1604,12 @@ extern "C" int abft_check(const i64* dims, const void* const* ptrs, const double
     thread_local std::vector<double> kept;
     std::vector<double> fresh;
     g.units = outs[3] != nullptr;
+    g.reuse = footprint(g) <= REUSE_DOUBLES;
     if (g.units) {
         g.res_c = (double*)outs[3]; g.thr_c = (double*)outs[4]; g.res_r = (double*)outs[5]; g.thr_r = (double*)outs[6];
     } else {
         const i64 nc = g.nbc * ((g.M + g.bm - 1) / g.bm) * g.N, nr = g.nbc * g.M * ((g.N + g.bn - 1) / g.bn);
-        g.res_c = grown(footprint(g) <= REUSE_DOUBLES ? kept : fresh, 2 * (nc + nr));
+        g.res_c = grown(g.reuse ? kept : fresh, 2 * (nc + nr));
         g.thr_c = g.res_c + nc; g.res_r = g.thr_c + nc; g.thr_r = g.res_r + nr;
     }
     DISPATCH(g.dt, check_t, g);
