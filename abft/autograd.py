@@ -3,7 +3,9 @@ the checked path, labelled ``forward`` / ``grad_input`` / ``grad_weight`` (linea
 ``forward`` / ``grad_a`` / ``grad_b`` (matmul, mm, bmm, baddbmm).
 
 Each op is a ``torch.library`` custom op with ``register_autograd`` and a fake implementation,
-so ``torch.compile(fullgraph=True)`` traces it as one opaque node. The backward formulas are
+so ``torch.compile(fullgraph=True)`` traces it as one opaque node. Eager calls on plain tensors
+skip torch's dispatcher (``_eager``): the op's own function, under a plain ``autograd.Function``
+with the same rule where a gradient is recorded. The backward formulas are
 torch's own (derivatives.yaml, and matmul's folding into mm for (..., K) @ (K, N)), so gradients
 are bit-identical to torch's. Torch-function modes are off inside autograd's backward: the
 backward products are checked because these ops call the checked path themselves.
@@ -19,6 +21,16 @@ import torch.autograd.forward_ad as fwAD
 from abft import carry, coverage, decompose, dtensor, ops, weightcache
 from abft.decompose import rows2d
 from abft.kernels.reference import weight_stats
+
+
+_RULES = {}
+
+
+def _rule(op_def, backward, setup):
+    """``op_def.register_autograd(backward, setup_context=setup)``, the rule kept for the eager
+    autograd Function that runs the op's own function where nothing needs the custom op."""
+    op_def.register_autograd(backward, setup_context=setup)
+    _RULES[op_def] = (backward, setup)
 
 
 def _product(kind, a, b, op, phase, module):
@@ -58,7 +70,7 @@ def _gp_backward(ctx, grad):
     return ga, gb, None, None, None, None
 
 
-grad_product.register_autograd(_gp_backward, setup_context=_gp_setup)
+_rule(grad_product, _gp_backward, _gp_setup)
 
 
 def _g(kind, a, b, op, phase, module):
@@ -117,7 +129,7 @@ def _gik_backward(ctx, gg):
     return ga, gb, None, None
 
 
-grad_input_kept.register_autograd(_gik_backward, setup_context=_gik_setup)
+_rule(grad_input_kept, _gik_backward, _gik_setup)
 
 
 @custom_op("abft::linear", mutates_args=())
@@ -155,7 +167,7 @@ def _linear_backward(ctx, grad):
     return gx, gw, gb, None, None
 
 
-linear_op.register_autograd(_linear_backward, setup_context=_linear_setup)
+_rule(linear_op, _linear_backward, _linear_setup)
 
 
 # -- addmm (HF Conv1D, users' own) ---------------------------------------------------------------
@@ -197,7 +209,7 @@ def _addmm_backward(ctx, grad):
         _scale(g2, ctx.alpha) if g2 is not None else None, None, None, None
 
 
-addmm_op.register_autograd(_addmm_backward, setup_context=_add_setup)
+_rule(addmm_op, _addmm_backward, _add_setup)
 
 
 # -- matmul, mm, bmm, baddbmm --------------------------------------------------------------------
@@ -307,7 +319,7 @@ def _matmul_backward(ctx, grad):
     return ga, gb, None, None, None
 
 
-matmul_op.register_autograd(_matmul_backward, setup_context=_matmul_setup)
+_rule(matmul_op, _matmul_backward, _matmul_setup)
 
 
 def _ab_setup(ctx, inputs, output):  # mm, bmm
@@ -332,7 +344,7 @@ def _mm_backward(ctx, grad):
     return ga, gb, None
 
 
-mm_op.register_autograd(_mm_backward, setup_context=_ab_setup)
+_rule(mm_op, _mm_backward, _ab_setup)
 
 
 @custom_op("abft::bmm", mutates_args=())
@@ -352,7 +364,7 @@ def _bmm_backward(ctx, grad):
     return ga, gb, None
 
 
-bmm_op.register_autograd(_bmm_backward, setup_context=_ab_setup)
+_rule(bmm_op, _bmm_backward, _ab_setup)
 
 
 @custom_op("abft::baddbmm", mutates_args=())
@@ -375,7 +387,7 @@ def _baddbmm_backward(ctx, grad):
     return gi, g1, g2, None, None, None
 
 
-baddbmm_op.register_autograd(_baddbmm_backward, setup_context=_add_setup)
+_rule(baddbmm_op, _baddbmm_backward, _add_setup)
 
 
 # -- the public functions: autocast rules, then the custom op ---------------------------------------
@@ -413,33 +425,58 @@ def _plain(op, module, fn, *args, **kwargs):
     return fn(*args, **kwargs)
 
 
-def _direct(tensors):
-    """Whether a custom op's own function can run without torch's dispatcher, which then only
-    adds its cost (tens of µs a call): eager, no gradient to record, plain dense tensors, no
-    dispatch mode to see the op. torch.compile, autograd, DTensor, fake and meta tensors, and
-    modes that count ops get the custom op."""
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+
+
+def _eager(tensors):
+    """How a call can skip torch's dispatcher, which then only adds its cost (tens of µs a call,
+    more with autograd): "direct" (the custom op's own function: eager, no gradient to record),
+    "function" (eager with a gradient to record: the op's own function under a plain
+    ``autograd.Function`` with the op's autograd rule), or None (the custom op). Only plain
+    dense tensors and parameters skip it: torch.compile, DTensor, fake and meta tensors, and
+    dispatch modes that count ops (selective checkpointing too) get the custom op."""
     if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
-        return False
+        return None
     grad = torch.is_grad_enabled()
+    record = False
     for t in tensors:
-        if t is not None and (type(t) is not torch.Tensor or t.is_meta or grad and t.requires_grad):
-            return False
-    return True
+        if t is None:
+            continue
+        if type(t) not in _PLAIN_TYPES or t.is_meta:
+            return None
+        record = record or grad and t.requires_grad
+    return "function" if record else "direct"
 
 
 def _dispatch(fn, tensors, *rest):
-    """``fn(*tensors, *rest)``: the custom op ``fn``, or its own function where ``_direct``."""
+    """``fn(*tensors, *rest)``: the custom op ``fn``, or its own function (with its autograd rule)
+    where ``_eager`` allows."""
     impl = _IMPLS.get(fn)
-    if impl is not None and _direct(tensors):
+    how = None if impl is None else _eager(tensors)
+    if how == "direct":
         return impl(*tensors, *rest)
+    if how == "function":
+        return _FUNCTIONS[fn].apply(*tensors, *rest)
     return dtensor.located(fn, *tensors, *rest)
 
 
-def _call(fn, device_type, tensors, *rest):
+def _call(fn, device_of, tensors, *rest):
+    """The custom op ``fn`` on ``tensors`` (its device: tensors[device_of]'s) and ``rest``, under
+    autocast's rule. Plain tensors in eager go with torch-function handling off: a mode
+    (``abft.checked``) would otherwise see every attribute read on the way as a call of its own
+    (microseconds each); the op's own function runs with it off anyway."""
     dtensor.ensure()
-    tensors, cast = _autocast(device_type, *tensors)
+    if not torch.compiler.is_compiling() and \
+            all(t is None or type(t) in _PLAIN_TYPES for t in tensors):
+        with torch._C.DisableTorchFunction():
+            return _autocast_call(fn, device_of, tensors, rest)
+    return _autocast_call(fn, device_of, tensors, rest)
+
+
+def _autocast_call(fn, device_of, tensors, rest):
+    tensors, cast = _autocast(tensors[device_of].device.type, *tensors)
     if cast:
-        with torch.autocast(device_type, enabled=False):
+        with torch.autocast(tensors[device_of].device.type, enabled=False):
             out = _dispatch(fn, tensors, *rest)
     else:
         out = _dispatch(fn, tensors, *rest)
@@ -465,8 +502,9 @@ def matmul(a, b, *, module=None):
         return torch.matmul(a, b)
     if _transformed(a, b):
         return _plain("matmul", module, torch.matmul, a, b)
-    return _call(torch.ops.abft.matmul, a.device.type, (a, b), a.requires_grad, b.requires_grad,
-                 module or "")
+    with torch._C.DisableTorchFunction():       # the flags' reads, unseen by torch-function modes
+        flags = a.requires_grad, b.requires_grad
+    return _call(torch.ops.abft.matmul, 0, (a, b), *flags, module or "")
 
 
 def mm(a, b, *, module=None):
@@ -475,7 +513,7 @@ def mm(a, b, *, module=None):
         return torch.mm(a, b)
     if _transformed(a, b):
         return _plain("mm", module, torch.mm, a, b)
-    return _call(torch.ops.abft.mm, a.device.type, (a, b), module or "")
+    return _call(torch.ops.abft.mm, 0, (a, b), module or "")
 
 
 def bmm(a, b, *, module=None):
@@ -484,7 +522,7 @@ def bmm(a, b, *, module=None):
         return torch.bmm(a, b)
     if _transformed(a, b):
         return _plain("bmm", module, torch.bmm, a, b)
-    return _call(torch.ops.abft.bmm, a.device.type, (a, b), module or "")
+    return _call(torch.ops.abft.bmm, 0, (a, b), module or "")
 
 
 def addmm(input, mat1, mat2, *, beta=1, alpha=1, module=None):
@@ -493,7 +531,7 @@ def addmm(input, mat1, mat2, *, beta=1, alpha=1, module=None):
         return torch.addmm(input, mat1, mat2, beta=beta, alpha=alpha)
     if _transformed(input, mat1, mat2):
         return _plain("addmm", module, torch.addmm, input, mat1, mat2, beta=beta, alpha=alpha)
-    return _call(torch.ops.abft.addmm, mat1.device.type, (input, mat1, mat2), float(beta),
+    return _call(torch.ops.abft.addmm, 1, (input, mat1, mat2), float(beta),
                  float(alpha), module or "")
 
 
@@ -504,7 +542,7 @@ def baddbmm(input, batch1, batch2, *, beta=1, alpha=1, module=None):
     if _transformed(input, batch1, batch2):
         return _plain("baddbmm", module, torch.baddbmm, input, batch1, batch2, beta=beta,
                       alpha=alpha)
-    return _call(torch.ops.abft.baddbmm, batch1.device.type, (input, batch1, batch2), float(beta),
+    return _call(torch.ops.abft.baddbmm, 1, (input, batch1, batch2), float(beta),
                  float(alpha), module or "")
 
 
@@ -522,19 +560,34 @@ def linear(input, weight, bias=None, *, module=None, cache=False):
     if _transformed(input, weight, bias):
         return _plain("linear", module, torch.nn.functional.linear, input, weight, bias)
     wkey = weightcache.key(weight) if cache else 0
-    return _call(torch.ops.abft.linear, input.device.type, (input, weight, bias), module or "", wkey)
+    return _call(torch.ops.abft.linear, 0, (input, weight, bias), module or "", wkey)
 
 
 def _impls(*defs):
     """The function each custom op runs (``_dispatch`` calls it directly where nothing needs the
-    op), read from torch's CustomOpDef; none where a torch version does not keep them there."""
-    out = {}
+    op), read from torch's CustomOpDef, and the same with the op's autograd rule as a plain
+    ``autograd.Function``; none where a torch version does not keep them there."""
+    impls, functions = {}, {}
     for d in defs:
         name, fn = getattr(d, "_name", None), getattr(d, "_init_fn", None)
         if isinstance(name, str) and callable(fn):
-            out[getattr(torch.ops.abft, name.split("::")[-1])] = fn
-    return out
+            op = getattr(torch.ops.abft, name.split("::")[-1])
+            impls[op] = fn
+            functions[op] = _function(name.split("::")[-1], fn, *_RULES[d])
+    return impls, functions
 
 
-_IMPLS = _impls(grad_product, grad_input_kept, linear_op, addmm_op, matmul_op, mm_op, bmm_op,
-                baddbmm_op)
+def _function(name, impl, backward, setup):
+    """A plain autograd Function computing ``impl`` with the autograd rule (backward, setup) a
+    custom op was registered with: what the custom op's own autograd wrapper does, without the
+    dispatcher around it (forward runs without grad mode, inputs as given to setup)."""
+    def forward(ctx, *args):
+        out = impl(*args)
+        setup(ctx, args, out)
+        return out
+    return type(f"Checked_{name}", (torch.autograd.Function,),
+                {"forward": staticmethod(forward), "backward": staticmethod(backward)})
+
+
+_IMPLS, _FUNCTIONS = _impls(grad_product, grad_input_kept, linear_op, addmm_op, matmul_op, mm_op,
+                            bmm_op, baddbmm_op)
