@@ -210,16 +210,46 @@ def stats(x, bs, *, need_abs):
 _coef_cache = {}
 
 
-def _packed(units, k, bs, acc, chk, lam, scaled):
-    key = (units, k, bs, acc, chk, lam, scaled)
+def _packed(units, k, bm, bn, acc, chk, lam, scaled):
+    """The coefficients of the column sums' thresholds (blocks of ``bm`` rows) and of the row
+    sums' (``bn`` columns), packed as rows of one float64 tensor, kept per arguments; ``acc``
+    None: ``threshold.recursive(k)`` (one object fewer to build and hash per call)."""
+    key = (units, k, bm, bn, acc, chk, lam, scaled)
     p = _coef_cache.get(key)
     if p is None:
-        c = T.coefficients(units, k=k, bs=bs, acc=acc, chk=chk, lam=lam, scaled_addend=scaled)
-        p = torch.tensor([float(getattr(c, f)) for f in COEF_NAMES.split(",")], dtype=F64)
+        a = acc or T.recursive(k)
+        cs = [T.coefficients(units, k=k, bs=bs, acc=a, chk=chk, lam=lam, scaled_addend=scaled)
+              for bs in (bm, bn)]
+        p = torch.tensor([[float(getattr(c, f)) for f in COEF_NAMES.split(",")] for c in cs],
+                         dtype=F64)
         if len(_coef_cache) > 4096:
             _coef_cache.clear()
         _coef_cache[key] = p
     return p
+
+
+_NO_STATS = (None, (0,) * 13)
+
+
+def _kept_pointers(s, cap):
+    """(tensors to keep alive, their 13 pointers) of kept statistics ``s`` in the library's order
+    (``absum`` only for a capped K). Kept on ``s`` when its tensors are contiguous already (the
+    pointers then stay those of its own tensors: a weight's statistics serve many calls)."""
+    if s is None:
+        return _NO_STATS
+    got = s.__dict__.get("_pointers")
+    if got is not None and got[0] == cap:
+        return None, got[1]
+    if cap and s.absum is None:
+        raise ValueError("b_stats lack the column sums of |B| that a product of K <= "
+                         f"{T.SMALL_K} needs (made for another K)")
+    zs = (s.e, s.r1, s.rinf, s.E, s.x1, s.xinf, s.xs1, s.xsinf, s.nu, s.finite, s.low, s.s,
+          s.absum if cap else None)
+    kept = [None if z is None else z.contiguous() for z in zs]
+    ptrs = tuple(0 if z is None else z.data_ptr() for z in kept)
+    if all(z is None or z.is_contiguous() for z in zs):
+        s._pointers = (cap, ptrs)
+    return kept, ptrs
 
 
 def check(a, b, c, *, bm, bn, units, acc, chk, alpha, addend, beta, lam, return_sums, b_stats,
@@ -251,8 +281,7 @@ def check(a, b, c, *, bm, bn, units, acc, chk, alpha, addend, beta, lam, return_
     else:
         offs.append(None)
     scaled = addend is not None and float(beta) != 1.0
-    coef_c = _packed(units, k, bm, acc, chk, lam, scaled)
-    coef_r = _packed(units, k, bn, acc, chk, lam, scaled)
+    coef = _packed(units, k, bm, bn, acc, chk, lam, scaled)
     n_places = min(k, SAMPLES)
     places = _kept_places(k, n_places, c.device)
     verdict = torch.empty(*batch, tm, tn, 9, dtype=torch.float32)
@@ -264,15 +293,13 @@ def check(a, b, c, *, bm, bn, units, acc, chk, alpha, addend, beta, lam, return_
         sums = [res_c.data_ptr(), thr_c.data_ptr(), res_r.data_ptr(), thr_r.data_ptr()]
     else:
         sums = (0, 0, 0, 0)
-    if b_stats is None:
-        kept = [None] * 13
-    else:
-        s = b_stats
-        kept = [z.contiguous() for z in (s.e, s.r1, s.rinf, s.E, s.x1, s.xinf, s.xs1, s.xsinf, s.nu,
-                                         s.finite, s.low, s.s)] + [s.absum.contiguous() if cap else None]
+    kept, kept_ptrs = _kept_pointers(b_stats, cap)
     # the arguments as flat arrays (array.array builds them several times faster than ctypes)
-    keep = [*offs[:4], offs[4], ib, places, a, b, c, d, *kept, coef_c, coef_r]
+    keep = [*offs[:4], offs[4], ib, places, a, b, c, d]
     ptrs = array.array("Q", [0 if z is None else z.data_ptr() for z in keep])
+    ptrs.extend(kept_ptrs)
+    ptrs.append(coef.data_ptr())
+    ptrs.append(ptrs[-1] + coef.stride(0) * 8)          # the row sums' coefficients
     dims = array.array("q", (nbc, max(1, math.prod(bbatch)), m, n, k, bm, bn, c.stride(-2), c.stride(-1),
                              a.stride(-2), a.stride(-1), b.stride(-2), b.stride(-1),
                              0 if d is None else d.stride(-2), 0 if d is None else d.stride(-1),

@@ -207,7 +207,7 @@ def check(a, b, c, *, bm, bn, units, acc=None, chk=None, alpha=1.0, addend=None,
     (``compiled.usable``), else ``check_torch`` (the same arguments and results). With
     ``summary``, the results end with ``layout.summary`` of the verdict (on the CPU: a tuple)."""
     if compiled.usable(a, b, c, addend):
-        return compiled.check(a, b, c, bm=bm, bn=bn, units=units, acc=acc or T.recursive(a.shape[-1]),
+        return compiled.check(a, b, c, bm=bm, bn=bn, units=units, acc=acc,
                               chk=chk, alpha=alpha, addend=addend, beta=beta, lam=lam,
                               return_sums=return_sums, b_stats=b_stats, summary=summary)
     out = check_torch(a, b, c, bm=bm, bn=bn, units=units, acc=acc, chk=chk, alpha=alpha, addend=addend,

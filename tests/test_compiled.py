@@ -185,8 +185,8 @@ def test_a_changed_threshold_term_changes_the_verdicts(field, monkeypatch):
 
     def mutated(*args):
         p = packed(*args).clone()
-        v = float(p[i])
-        p[i] = 1.0 - v if field == "cap" else 0.5 if v == 0 else v * 1.5
+        v = p[..., i]                   # both sides' coefficient
+        p[..., i] = torch.where(v == 0, 0.5, v * 1.5) if field != "cap" else 1.0 - v
         return p
 
     monkeypatch.setattr(compiled, "_packed", mutated)
