@@ -817,6 +817,24 @@ static void thin_tiles(const T* x, i64 N, const double* s, i64 K, i64 TM, i64 k0
     if (TM - p >= 1) thin_tile<1, ABS, PRE>(x, N, s + p * K, K, k0, k1, sc, out + p * N);
 }
 
+// for (i < n) body(i, local) on th threads (schedule static), each thread's local from init();
+// on one thread no parallel region at all (inside a batch's region each would cost a team's
+// set-up, about a microsecond)
+template <typename Init, typename Body>
+static void parallel_for(int th, i64 n, Init init, Body body) {
+    if (th == 1) {
+        auto local = init();
+        for (i64 i = 0; i < n; i++) body(i, local);
+        return;
+    }
+#pragma omp parallel num_threads(th)
+    {
+        auto local = init();
+#pragma omp for schedule(static)
+        for (i64 i = 0; i < n; i++) body(i, local);
+    }
+}
+
 // The thin product out (TM, N) = s (TM, K) @ (|b| if absb else b) (K, N), each column times
 // 2^-f_j (float64 operands: b scaled before the product, else the result after).
 template <typename T>
@@ -826,11 +844,7 @@ static void thin_t(const T* b, i64 K, i64 N, i64 sk, i64 sn, const double* s, i6
         // rows of b contiguous: strips of W columns, K in chunks of KT rows (a strip's chunk stays
         // in L1 for the groups of rows of s), eight columns' accumulators in registers per group
         const i64 W = 256, KT = 128, strips = (N + W - 1) / W;
-#pragma omp parallel num_threads(threads_for(nt, (double)TM * K * N))
-        {
-            std::vector<double> sc(W + 8);
-#pragma omp for schedule(static)
-            for (i64 st = 0; st < strips; st++) {
+        auto strip = [&](i64 st, std::vector<double>& sc) {
                 const i64 j0 = st * W, w = std::min(W, N - j0), w8 = w / 8 * 8;
                 for (i64 j = 0; j < w; j++) sc[j] = pow2(-f[j0 + j]);
                 for (i64 p = 0; p < TM; p++) std::fill(out + p * N + j0, out + p * N + j0 + w, 0.0);
@@ -858,17 +872,18 @@ static void thin_t(const T* b, i64 K, i64 N, i64 sk, i64 sn, const double* s, i6
                 if (!pre)
                     for (i64 p = 0; p < TM; p++)
                         for (i64 j = 0; j < w; j++) out[p * N + j0 + j] *= sc[j];
-            }
-        }
+        };
+        parallel_for(threads_for(nt, (double)TM * K * N), strips,
+                     [&] { return std::vector<double>(W + 8); }, strip);
     } else if (sn == 1 || sk != 1) {
         // rows of b contiguous (or neither): out[:, strip] += s[:, k] * b[k, strip]
         i64 W = std::min(N, std::max<i64>(16, std::min<i64>(512, (1 << 11) / std::max<i64>(TM, 1))));
         i64 strips = (N + W - 1) / W;
-#pragma omp parallel num_threads(threads_for(nt, (double)TM * K * N))
-        {
-            std::vector<double> row(4 * W), sc(W);
-#pragma omp for schedule(static)
-            for (i64 st = 0; st < strips; st++) {
+        struct Bufs { std::vector<double> row, sc; };
+        parallel_for(threads_for(nt, (double)TM * K * N), strips,
+                     [&] { return Bufs{std::vector<double>(4 * W), std::vector<double>(W)}; },
+                     [&](i64 st, Bufs& bf) {
+                std::vector<double>&row = bf.row, &sc = bf.sc;
                 i64 j0 = st * W, w = std::min(W, N - j0);
                 for (i64 j = 0; j < w; j++) sc[j] = pow2(-f[j0 + j]);
                 for (i64 p = 0; p < TM; p++) std::fill(out + p * N + j0, out + p * N + j0 + w, 0.0);
@@ -916,34 +931,30 @@ static void thin_t(const T* b, i64 K, i64 N, i64 sk, i64 sn, const double* s, i6
                 if (!pre)
                     for (i64 p = 0; p < TM; p++)
                         for (i64 j = 0; j < w; j++) out[p * N + j0 + j] *= sc[j];
-            }
-        }
+            });
     } else if (TM >= 8) {
         // columns of b contiguous, eight or more rows of s: groups of ROWS_G columns of b against
         // s^T by rows_times (each column its own row there)
         const i64 S8 = (TM + 7) / 8 * 8, groups = (N + ROWS_G - 1) / ROWS_G;
         std::vector<double> sT(K * S8, 0.0);
         transposed8(s, TM, K, sT.data());
-#pragma omp parallel num_threads(threads_for(nt, (double)TM * K * N))
-        {
-            std::vector<double> xb(ROWS_G * KC), tg(ROWS_G * S8), sc(ROWS_G);
-#pragma omp for schedule(static)
-            for (i64 gi = 0; gi < groups; gi++) {
+        struct Bufs { std::vector<double> xb, tg, sc; };
+        parallel_for(threads_for(nt, (double)TM * K * N), groups,
+                     [&] { return Bufs{std::vector<double>(ROWS_G * KC), std::vector<double>(ROWS_G * S8),
+                                       std::vector<double>(ROWS_G)}; },
+                     [&](i64 gi, Bufs& bf) {
+                std::vector<double>&xb = bf.xb, &tg = bf.tg, &sc = bf.sc;
                 const i64 j0 = gi * ROWS_G, nj = std::min(ROWS_G, N - j0);
                 for (i64 j = 0; j < nj; j++) sc[j] = pow2(-f[j0 + j]);
                 rows_times(b + j0 * sn, sn, nj, K, sT.data(), S8, absb, pre ? sc.data() : nullptr, tg.data(),
                            xb.data());
                 for (i64 j = 0; j < nj; j++)
                     for (i64 p = 0; p < TM; p++) out[p * N + j0 + j] = tg[j * S8 + p] * (pre ? 1.0 : sc[j]);
-            }
-        }
+            });
     } else {
         // columns of b contiguous: dot products over k
-#pragma omp parallel num_threads(threads_for(nt, (double)TM * K * N))
-        {
-            std::vector<double> col(K + 1);
-#pragma omp for schedule(static)
-            for (i64 j = 0; j < N; j++) {
+        parallel_for(threads_for(nt, (double)TM * K * N), N, [&] { return std::vector<double>(K + 1); },
+                     [&](i64 j, std::vector<double>& col) {
                 const T* bj = b + j * sn;
                 double sc = pow2(-f[j]);
                 if (absb || pre) {
@@ -956,8 +967,7 @@ static void thin_t(const T* b, i64 K, i64 N, i64 sk, i64 sn, const double* s, i6
                     for (i64 k = 0; k < K; k++) col[k] = cvt(bj[k]);
                 }
                 dots(col.data(), s, TM, K, pre ? 1.0 : sc, out + j, N);
-            }
-        }
+            });
     }
 }
 
@@ -969,56 +979,72 @@ static double eta2_of(const double* c, double ex) {
     return eta * eta / 3;
 }
 
-// The threshold of one checked sum (threshold.threshold, term for term; eta2 = eta2_of(c, ex)).
-static inline __attribute__((always_inline)) double threshold(const double* c, double s1, double s2, double sa,
-                                                              double pred, double x1,
-                        double xinf, double xs1, double xsinf, double y1, double yinf, double nu,
-                        bool low, double ex, double ey, bool has_d, double d2, double da, bool has_t,
-                        double t, double nout, double eta2) {
-    double q = nmin(x1 * yinf, xinf * y1), qs = nmin(xs1 * yinf, xsinf * y1);
-    double prod = c[P_S2] * s2 + c[P_Q] * q;
+// The thresholds of four checked sums (threshold.threshold, term for term; eta2 = eta2_of(c, ex))
+// that share the first side (x: a block of A's rows, or of B's columns) and differ in the second
+// (y) and their own sums, lane by lane (the uniform branches on the coefficients taken once)
+typedef long long m4 __attribute__((vector_size(32)));         // lane masks: -1 true, 0 false
+static inline v4d sel(m4 m, v4d a, v4d b) { return (v4d)((m & (m4)a) | (~m & (m4)b)); }
+static inline m4 fin4(v4d v) { return (v - v) == splat(0.0); }
+static inline v4d nmin4(v4d a, v4d b) {
+    const m4 nan = (a != a) | (b != b);
+    return sel(nan, splat(NaN), sel(a < b, a, b));
+}
+static inline v4d sq_capped4(v4d v) { v4d vv = v * v; return sel(vv > splat(DMAX), splat(DMAX), vv); }
+static inline v4d sqrt4(v4d v) {
+#if defined(__AVX__)
+    return (v4d)_mm256_sqrt_pd((__m256d)v);
+#else
+    return (v4d){std::sqrt(v[0]), std::sqrt(v[1]), std::sqrt(v[2]), std::sqrt(v[3])};
+#endif
+}
+static inline v4d pow2_4(v4d e) { return (v4d){pow2(e[0]), pow2(e[1]), pow2(e[2]), pow2(e[3])}; }
+
+static inline __attribute__((always_inline)) v4d threshold4(const double* c, v4d s1, v4d s2, v4d sa,
+                        v4d pred, double x1, double xinf, double xs1, double xsinf, v4d y1, v4d yinf,
+                        double nu, m4 low, double ex, v4d ey, bool has_d, v4d d2, v4d da, bool has_t,
+                        v4d t, v4d nout, double eta2) {
+    v4d q = nmin4(x1 * yinf, xinf * y1), qs = nmin4(xs1 * yinf, xsinf * y1);
+    v4d prod = c[P_S2] * s2 + c[P_Q] * q;
     if (has_d) prod += c[P_D2] * d2;
-    double check = c[C_P2] * sq_capped(pred) + c[C_QS] * qs + c[C_S12] * sq_capped(s1) + c[C_S2] * s2 +
-                   c[C_Q] * q;
-    // a skipped term (coefficient 0) adds nothing where its operands are finite, NaN where not
-    bool skipped_bad = false;
-    auto skip = [&](double v) { skipped_bad |= !fin(v); };
+    v4d check = c[C_P2] * sq_capped4(pred) + c[C_QS] * qs + c[C_S12] * sq_capped4(s1) + c[C_S2] * s2 +
+                c[C_Q] * q;
+    m4 bad = (m4)splat(0.0);
     if (c[ETA_LOG2] > -1000.0 || c[ETA_ABSOLUTE] != 0) {
         check += eta2 * y1;
     } else {
-        skip(y1);
+        bad |= ~fin4(y1);
     }
-    double ap = std::fabs(pred);
-    double thr = c[LAM] * std::sqrt(nu * prod + check) + c[BIAS] * ap;
+    v4d ap = abs4(pred);
+    v4d thr = c[LAM] * sqrt4(nu * prod + check) + c[BIAS] * ap;
     if (c[DIRECTED] != 0) {
-        thr += c[DIRECTED] * (0.5 * ap + std::sqrt(q / 3));
+        thr += c[DIRECTED] * (0.5 * ap + sqrt4(q / 3));
     } else {
-        skip(ap);
-        skip(q);
+        bad |= ~fin4(ap) | ~fin4(q);
     }
     if (c[DIRECTED_CHK] != 0) {
-        thr += c[DIRECTED_CHK] * (0.5 * ap + std::sqrt(qs / 3));
+        thr += c[DIRECTED_CHK] * (0.5 * ap + sqrt4(qs / 3));
     } else {
-        skip(ap);
-        skip(qs);
+        bad |= ~fin4(ap) | ~fin4(qs);
     }
-    thr += low ? c[LOWENT] * sa : 0.0;
+    thr += sel(low, c[LOWENT] * sa, splat(0.0));
     if (c[OUT] != 0) thr += c[OUT] * sa;
-    else skip(sa);
-    if (skipped_bad) thr = NaN;
+    else bad |= ~fin4(sa);
+    thr = sel(bad, splat(NaN), thr);
     if (c[OUT_ADD] != 0 && has_d) thr += c[OUT_ADD] * da;
-    double e = std::min(900.0, std::max(-1000.0, -(ex + ey)));
-    double uf = (c[BS] * c[KK] * c[ETA_ACC] + nout * c[ETA_OUT]) * pow2(e);
+    v4d e = -(ex + ey);                                           // std::min(900, std::max(-1000, e))
+    e = sel(splat(-1000.0) < e, e, splat(-1000.0));
+    e = sel(e < splat(900.0), e, splat(900.0));
+    v4d uf = (c[BS] * c[KK] * c[ETA_ACC] + nout * c[ETA_OUT]) * pow2_4(e);
     if (c[FTZ] != 0)
-        uf += c[FTZ] * (c[BS] * pow2(-ex) * std::sqrt(c[KK] * y1) +
-                        pow2(-ey) * std::sqrt(c[BS] * c[KK] * x1));
+        uf += c[FTZ] * (c[BS] * pow2(-ex) * sqrt4(c[KK] * y1) +
+                        pow2_4(-ey) * std::sqrt(c[BS] * c[KK] * x1));
     thr += uf;
     if (c[CAP] != 0 && has_t) {
-        double w = c[W_T] * t + c[W_SA] * sa + uf;
+        v4d w = c[W_T] * t + c[W_SA] * sa + uf;
         if (has_d) w += (c[W_DA] + c[OUT_ADD]) * da;
-        thr = nmin(thr, w * c[W_SCALE]);
+        thr = nmin4(thr, w * c[W_SCALE]);
     }
-    return thr < FLOOR ? FLOOR : thr;
+    return sel(thr < splat(FLOOR), splat(FLOOR), thr);
 }
 
 // One side's statistics, per row (y) and per block (x), as pointers into stats buffers.
@@ -1402,36 +1428,75 @@ static void check_t(CheckArgs g) {
             // column sums of block p (all columns)
             double* rcp = g.res_c + (b * TM + p) * N;
             double* tcp = g.thr_c + (b * TM + p) * N;
-            for (i64 j = 0; j < N; j++) {
-                const double* z = &colz[((b * TM + p) * N + j) * nz];
-                double pred = predc[(b * TM + p) * N + j], t = g.cap ? tcol[(b * TM + p) * N + j] : 0;
-                if (alpha != 1) { pred *= alpha; t *= aabs; }
-                double res = has_d ? z[0] - pred - z[5] : z[0] - pred;
-                bool low = a_low && g.B.low[bb * N + j];
-                double thr = threshold(g.coef_c, z[0], z[1], z[2], pred, g.A.x1[pa] * a2, g.A.xinf[pa] * a2,
-                                       g.A.xs1[pa] * a2, g.A.xsinf[pa] * a2, g.B.r1[bb * N + j],
-                                       g.B.rinf[bb * N + j], g.A.nu[pa], low, EA[p], fB[j], has_d,
-                                       has_d ? z[6] : 0, has_d ? z[7] : 0, g.cap != 0, t,
-                                       half ? z[4] : g.coef_c[BS], eta_c);
-                rcp[j] = res;
-                tcp[j] = thr;
-            }
-            // row sums of the rows of block p (all column blocks)
-            for (i64 i = i0; i < i1; i++) {
-                for (i64 q = 0; q < TN; q++) {
-                    const double* z = &rowz[((b * M + i) * TN + q) * nz];
-                    const i64 qb = bb * TN + q;
-                    double pred = g.times[(b * M + i) * TN + q], t = g.cap ? trow[(b * M + i) * TN + q] : 0;
+            {
+                // four sums at a time; the last group's missing lanes repeat its last sum (not stored)
+                const double* cc = g.coef_c;
+                const double *zc = &colz[(b * TM + p) * N * nz], *pc = predc + (b * TM + p) * N,
+                             *tc = g.cap ? tcol + (b * TM + p) * N : nullptr;
+                const double *r1 = g.B.r1 + bb * N, *ri = g.B.rinf + bb * N;
+                const uint8_t* bl = g.B.low + bb * N;
+                const double x1 = g.A.x1[pa] * a2, xinf = g.A.xinf[pa] * a2, xs1 = g.A.xs1[pa] * a2,
+                             xsinf = g.A.xsinf[pa] * a2;
+                for (i64 j = 0; j < N; j += 4) {
+                    const i64 n = std::min<i64>(4, N - j);
+                    i64 jl[4];
+                    for (int l = 0; l < 4; l++) jl[l] = j + std::min<i64>(l, n - 1);
+                    auto at = [&](const double* v) { return (v4d){v[jl[0]], v[jl[1]], v[jl[2]], v[jl[3]]}; };
+                    auto lane = [&](int f) {
+                        return (v4d){zc[jl[0] * nz + f], zc[jl[1] * nz + f], zc[jl[2] * nz + f], zc[jl[3] * nz + f]};
+                    };
+                    v4d pred = at(pc), t = g.cap ? at(tc) : splat(0.0);
                     if (alpha != 1) { pred *= alpha; t *= aabs; }
-                    double res = has_d ? z[0] - pred - z[5] : z[0] - pred;
-                    bool low = blowq[bb * TN + q] && g.A.low[b * M + i];
-                    double thr = threshold(g.coef_r, z[0], z[1], z[2], pred, g.B.x1[qb] * a2, g.B.xinf[qb] * a2,
-                                           g.B.xs1[qb] * a2, g.B.xsinf[qb] * a2, g.A.r1[b * M + i],
-                                           g.A.rinf[b * M + i], g.B.nu[qb], low, FB[q], eA[i], has_d,
-                                           has_d ? z[6] : 0, has_d ? z[7] : 0, g.cap != 0, t,
-                                           half ? z[4] : g.coef_r[BS], eta_r[q]);
-                    g.res_r[(b * M + i) * TN + q] = res;
-                    g.thr_r[(b * M + i) * TN + q] = thr;
+                    const v4d s1 = lane(0);
+                    v4d res = has_d ? s1 - pred - lane(5) : s1 - pred;
+                    m4 low = (m4)splat(0.0);
+                    if (a_low)
+                        for (int l = 0; l < 4; l++) low[l] = bl[jl[l]] ? -1 : 0;
+                    v4d thr = threshold4(cc, s1, lane(1), lane(2), pred, x1, xinf, xs1, xsinf, at(r1),
+                                         at(ri), g.A.nu[pa], low, EA[p], at(fB), has_d,
+                                         has_d ? lane(6) : splat(0.0), has_d ? lane(7) : splat(0.0),
+                                         g.cap != 0, t, half ? lane(4) : splat(cc[BS]), eta_c);
+                    for (i64 l = 0; l < n; l++) {
+                        rcp[j + l] = res[l];
+                        tcp[j + l] = thr[l];
+                    }
+                }
+            }
+            // row sums of the rows of block p, per block of columns: four rows at a time
+            for (i64 q = 0; q < TN; q++) {
+                const double* cr = g.coef_r;
+                const i64 qb = bb * TN + q;
+                const double x1 = g.B.x1[qb] * a2, xinf = g.B.xinf[qb] * a2, xs1 = g.B.xs1[qb] * a2,
+                             xsinf = g.B.xsinf[qb] * a2;
+                const bool blow = blowq[bb * TN + q] != 0;
+                const double *ar1 = g.A.r1 + b * M, *arinf = g.A.rinf + b * M;
+                const uint8_t* al = g.A.low + b * M;
+                for (i64 i = i0; i < i1; i += 4) {
+                    const i64 n = std::min<i64>(4, i1 - i);
+                    i64 il[4], o[4];
+                    for (int l = 0; l < 4; l++) {
+                        il[l] = i + std::min<i64>(l, n - 1);
+                        o[l] = (b * M + il[l]) * TN + q;
+                    }
+                    auto at = [&](const double* v, const i64* ix) { return (v4d){v[ix[0]], v[ix[1]], v[ix[2]], v[ix[3]]}; };
+                    auto lane = [&](int f) {
+                        return (v4d){rowz[o[0] * nz + f], rowz[o[1] * nz + f], rowz[o[2] * nz + f], rowz[o[3] * nz + f]};
+                    };
+                    v4d pred = at(g.times, o), t = g.cap ? at(trow, o) : splat(0.0);
+                    if (alpha != 1) { pred *= alpha; t *= aabs; }
+                    const v4d s1 = lane(0);
+                    v4d res = has_d ? s1 - pred - lane(5) : s1 - pred;
+                    m4 low = (m4)splat(0.0);
+                    if (blow)
+                        for (int l = 0; l < 4; l++) low[l] = al[il[l]] ? -1 : 0;
+                    v4d thr = threshold4(cr, s1, lane(1), lane(2), pred, x1, xinf, xs1, xsinf, at(ar1, il),
+                                         at(arinf, il), g.B.nu[qb], low, FB[q], at(eA, il), has_d,
+                                         has_d ? lane(6) : splat(0.0), has_d ? lane(7) : splat(0.0),
+                                         g.cap != 0, t, half ? lane(4) : splat(cr[BS]), eta_r[q]);
+                    for (i64 l = 0; l < n; l++) {
+                        g.res_r[o[l]] = res[l];
+                        g.thr_r[o[l]] = thr[l];
+                    }
                 }
             }
             // row norms of A's block (the overflow bound): taken where a tile's C is not finite
