@@ -98,8 +98,8 @@ def _build():
     lib.abft_coef_names.restype = ctypes.c_char_p
     if lib.abft_coef_names().decode() != COEF_NAMES:
         raise RuntimeError("the compiled library's coefficient order differs from compiled.py's")
-    P, I = ctypes.c_void_p, ctypes.c_int64
-    lib.abft_stats.argtypes = [ctypes.c_int, P, I, P, I, I, I, I, I, P, I, P, P, I, ctypes.c_int, ctypes.c_int] + [P] * 14
+    P = ctypes.c_void_p
+    lib.abft_stats.argtypes = [P, P]
     lib.abft_stats.restype = ctypes.c_int
     lib.abft_check.argtypes = [P, P, P, P]
     lib.abft_check.restype = ctypes.c_int
@@ -195,12 +195,11 @@ def stats(x, bs, *, need_abs):
     absum = torch.empty(*batch, t, k, dtype=F64) if need_abs else None
     n_places = min(k, SAMPLES)
     places = _kept_places(k, n_places, x.device)
-    err = _lib.abft_stats(DTYPES[x.dtype], x.data_ptr(), math.prod(batch), _offsets(x, batch).data_ptr(),
-                          r, k, x.stride(-2), x.stride(-1), bs, places.data_ptr(), n_places, None, None, 0,
-                          int(need_abs), torch.get_num_threads(),
-                          e.data_ptr(), r1.data_ptr(), rinf.data_ptr(), finite.data_ptr(), low.data_ptr(),
-                          E.data_ptr(), x1.data_ptr(), xinf.data_ptr(), xs1.data_ptr(), xsinf.data_ptr(),
-                          nu.data_ptr(), s.data_ptr(), _ptr(absum), None)
+    dims = array.array("q", (DTYPES[x.dtype], math.prod(batch), r, k, x.stride(-2), x.stride(-1), bs,
+                             n_places, int(need_abs), torch.get_num_threads()))
+    ptrs = array.array("Q", [0 if z is None else z.data_ptr() for z in (
+        x, _offsets(x, batch), places, e, r1, rinf, finite, low, E, x1, xinf, xs1, xsinf, nu, s, absum)])
+    err = _lib.abft_stats(dims.buffer_info()[0], ptrs.buffer_info()[0])
     if err:
         raise RuntimeError(f"abft_stats failed ({err})")
     return OperandStats(bs=bs, e=e, r1=r1, rinf=rinf, finite=finite, low=low, E=E, x1=x1, xinf=xinf,

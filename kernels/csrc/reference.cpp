@@ -758,17 +758,22 @@ static void stats_t(const void* xv, i64 nb, const i64* offs, i64 R, i64 K, i64 s
         default: return 1;                                          \
     }
 
-extern "C" int abft_stats(int dt, const void* x, i64 nb, const i64* offs, i64 R, i64 K, i64 sr,
-                          i64 sk, i64 bs, const i64* places, i64 np, const double* rhs,
-                          const i64* rhs_idx, i64 S, int need_abs, int nt, double* e, double* r1,
-                          double* rinf, uint8_t* finite, uint8_t* low, double* E, double* x1,
-                          double* xinf, double* xs1, double* xsinf, double* nu, double* s,
-                          double* absum, double* times) {
+// dims: dtype, batches, R, K, strides of x (r, k), bs, number of sampled places, need_abs, threads.
+// ptrs: x, the batches' offsets, the places, then the outputs e, r1, rinf, finite, low, E, x1, xinf,
+// xs1, xsinf, nu, s, absum (null where not need_abs). One array each (ctypes converts each
+// argument of a call: thirty of them cost more than the Python around the call).
+extern "C" int abft_stats(const i64* dims, const void* const* ptrs) {
+    const int dt = (int)dims[0];
+    const i64 nb = dims[1], R = dims[2], K = dims[3], sr = dims[4], sk = dims[5], bs = dims[6], np = dims[7];
+    const bool need_abs = dims[8] != 0;
+    const int nt = (int)dims[9];
     if (np > 64) return 2;
-    StatsOut o{e, r1, rinf, E, x1, xinf, xs1, xsinf, nu, s, absum, times, finite, low};
-    bool pre = dt == DT_F64;
-    DISPATCH(dt, stats_t, x, nb, offs, R, K, sr, sk, bs, places, np, rhs, rhs_idx, S, need_abs != 0,
-             true, pre, nt, o);
+    auto d = [&](int i) { return (double*)ptrs[i]; };
+    StatsOut o{d(3), d(4), d(5), d(8), d(9), d(10), d(11), d(12), d(13), d(14), d(15), nullptr,
+               (uint8_t*)ptrs[6], (uint8_t*)ptrs[7]};
+    const bool pre = dt == DT_F64;
+    DISPATCH(dt, stats_t, ptrs[0], nb, (const i64*)ptrs[1], R, K, sr, sk, bs, (const i64*)ptrs[2], np,
+             nullptr, nullptr, 0, need_abs, true, pre, nt, o);
     return 0;
 }
 
