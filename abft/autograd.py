@@ -20,6 +20,7 @@ import torch.autograd.forward_ad as fwAD
 
 from abft import carry, coverage, decompose, dtensor, ops, weightcache
 from abft.decompose import rows2d
+from abft.kernels import backends
 from abft.kernels.reference import weight_stats
 
 
@@ -425,9 +426,6 @@ def _plain(op, module, fn, *args, **kwargs):
     return fn(*args, **kwargs)
 
 
-_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
-
-
 def _eager(tensors):
     """How a call can skip torch's dispatcher, which then only adds its cost (tens of µs a call,
     more with autograd): "direct" (the custom op's own function: eager, no gradient to record),
@@ -442,7 +440,7 @@ def _eager(tensors):
     for t in tensors:
         if t is None:
             continue
-        if type(t) not in _PLAIN_TYPES or t.is_meta:
+        if type(t) not in backends.PLAIN or t.is_meta:
             return None
         record = record or grad and t.requires_grad
     return "function" if record else "direct"
@@ -467,7 +465,7 @@ def _call(fn, device_of, tensors, *rest):
     (microseconds each); the op's own function runs with it off anyway."""
     dtensor.ensure()
     if not torch.compiler.is_compiling() and \
-            all(t is None or type(t) in _PLAIN_TYPES for t in tensors):
+            all(t is None or type(t) in backends.PLAIN for t in tensors):
         with torch._C.DisableTorchFunction():
             return _autocast_call(fn, device_of, tensors, rest)
     return _autocast_call(fn, device_of, tensors, rest)

@@ -10,6 +10,9 @@ DTYPES = {"reference": (torch.float32, torch.float64, torch.bfloat16, torch.floa
 # the reference backend's (BM, BN); the fused kernel's depend on the shape (``configs.tile``)
 REFERENCE_TILES = (256, 256)
 
+# the types of plain tensors (not a subclass: DTensor, FakeTensor, a functorch wrapper, ...)
+PLAIN = (torch.Tensor, torch.nn.Parameter)
+
 
 def tf32_allowed(device):
     """Whether torch lets float32 GEMMs on ``device`` use tf32 (CUDA: ``allow_tf32``; CPU: a

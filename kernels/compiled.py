@@ -29,6 +29,7 @@ import warnings
 
 import torch
 
+from abft.kernels import backends
 from abft.kernels import threshold as T
 from abft.kernels.stats import SAMPLES, OperandStats, _kept_places
 
@@ -136,16 +137,13 @@ def usable(a, b, c, addend):
     if torch.compiler.is_compiling() or not enabled():
         return False
     for t in (a, b, c) if addend is None else (a, b, c, addend):
-        if type(t) not in _PLAIN or not t.is_cpu or t.layout != torch.strided or t.is_neg():
+        if type(t) not in backends.PLAIN or not t.is_cpu or t.layout != torch.strided or t.is_neg():
             return False
     if not (a.dtype == b.dtype == c.dtype and c.dtype in DTYPES) or addend is not None and not addend.is_floating_point():
         return False
     if c.numel() == 0 or a.shape[-1] == 0 or a.dim() < 2 or b.dim() < 2:
         return False
     return library() is not None
-
-
-_PLAIN = (torch.Tensor, torch.nn.Parameter)        # not a subclass (DTensor, FakeTensor, ...)
 
 
 def _offsets(x, batch):
