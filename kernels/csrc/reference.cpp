@@ -610,12 +610,13 @@ static void stats_block(const T* x, i64 R, i64 K, i64 sr, i64 sk, i64 bs, i64 p,
                 v4d l1[4], l2[4], la[4];       // LANES accumulators each, in registers
                 for (int u = 0; u < 4; u++) l1[u] = l2[u] = la[u] = splat(0.0);
                 if (pf && k + PF_AHEAD < K) prefetch_run(xk + PF_AHEAD * sk, nr);
+                const bool keep = tm != nullptr;        // the values, for the row predictions
                 i64 r = 0;
                 for (; r + LANES <= nr; r += LANES) {
                     for (int u = 0; u < 4; u++) {
                         const i64 o = r + 4 * u;
                         const v4d v = load4(xk + o), av = abs4(v), m = load4(am + o);
-                        store4(bf + o, v);
+                        if (keep) store4(bf + o, v);
                         store4(am + o, m > av ? m : av);              // NaN dropped: fixed below
                         store4(rq + o, load4(rq + o) + v * v);
                         l1[u] += v;
@@ -625,7 +626,7 @@ static void stats_block(const T* x, i64 R, i64 K, i64 sr, i64 sk, i64 bs, i64 p,
                 }
                 for (; r < nr; r++) {
                     double v = cvt(xk[r]), av = std::fabs(v);
-                    bf[r] = v;
+                    if (keep) bf[r] = v;
                     am[r] = am[r] > av ? am[r] : av;
                     rq[r] += v * v;
                     l1[0][0] += v;
