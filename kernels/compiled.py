@@ -230,23 +230,17 @@ _NO_STATS = (None, (0,) * 13)
 
 def _kept_pointers(s, cap):
     """(tensors to keep alive, their 13 pointers) of kept statistics ``s`` in the library's order
-    (``absum`` only for a capped K). Kept on ``s`` when its tensors are contiguous already (the
-    pointers then stay those of its own tensors: a weight's statistics serve many calls)."""
+    (``absum`` only for a capped K). Read afresh each call (a cache of pointers on ``s`` would
+    survive a copy of ``s`` and point at the original's memory)."""
     if s is None:
         return _NO_STATS
-    got = s.__dict__.get("_pointers")
-    if got is not None and got[0] == cap:
-        return None, got[1]
     if cap and s.absum is None:
         raise ValueError("b_stats lack the column sums of |B| that a product of K <= "
                          f"{T.SMALL_K} needs (made for another K)")
-    zs = (s.e, s.r1, s.rinf, s.E, s.x1, s.xinf, s.xs1, s.xsinf, s.nu, s.finite, s.low, s.s,
-          s.absum if cap else None)
-    kept = [None if z is None else z.contiguous() for z in zs]
-    ptrs = tuple(0 if z is None else z.data_ptr() for z in kept)
-    if all(z is None or z.is_contiguous() for z in zs):
-        s._pointers = (cap, ptrs)
-    return kept, ptrs
+    kept = [None if z is None else z if z.is_contiguous() else z.contiguous()
+            for z in (s.e, s.r1, s.rinf, s.E, s.x1, s.xinf, s.xs1, s.xsinf, s.nu, s.finite, s.low,
+                      s.s, s.absum if cap else None)]
+    return kept, [0 if z is None else z.data_ptr() for z in kept]
 
 
 def check(a, b, c, *, bm, bn, units, acc, chk, alpha, addend, beta, lam, return_sums, b_stats,

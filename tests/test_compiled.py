@@ -405,3 +405,23 @@ def test_buffers_kept_between_calls_carry_nothing_over():
     for x, y in ((v0, v1), (w0, w1), (v0, w1), *zip(d0, d1), *zip(e0, e1), *zip(s0.values(), s1.values())):
         assert _bits_equal(x, y)
     assert m0 == m1 == n0 == n1 and m0[0] == 1.0
+
+
+def test_a_copy_of_kept_statistics_reads_its_own_tensors():
+    """Kept statistics (a weight's) copied, then the original changed in place: a check with the
+    copy reads the copy's values, not the original's memory (a pointer kept on the statistics
+    would survive the copy)."""
+    import copy
+    g = torch.Generator().manual_seed(3)
+    w, x = torch.randn(48, 40, generator=g), torch.randn(30, 40, generator=g)
+    c = x @ w.t()
+    u = reference.units_for(c)
+    kw = dict(bm=16, bn=16, units=u, return_sums=True)
+    st = reference.weight_stats(w.t(), 16)
+    want = reference.check(x, w.t(), c, b_stats=st, **kw)
+    kept = copy.deepcopy(st)
+    for t in (st.r1, st.rinf, st.x1, st.xinf, st.xs1, st.xsinf, st.s):
+        t.mul_(4.0)
+    got = reference.check(x, w.t(), c, b_stats=kept, **kw)
+    assert torch.equal(got[0], want[0])
+    assert all(torch.equal(got[2][k], want[2][k]) for k in want[2])
