@@ -63,8 +63,7 @@ static inline double cvt(f16_t x) {
     return sign ? -v : v;
 }
 
-// NaN-propagating min and max (torch.minimum / amax)
-static inline double nmin(double a, double b) { return (a != a || b != b) ? NaN : (a < b ? a : b); }
+// NaN-propagating max (torch's amax; the minimum is nmin4, four wide)
 static inline double nmax(double a, double b) { return (a != a || b != b) ? NaN : (a > b ? a : b); }
 static inline bool fin(double v) { return v - v == 0; }
 // v^2 clamped to the largest double (a corrupted value's square may overflow)
@@ -1014,6 +1013,7 @@ static inline __attribute__((always_inline)) v4d threshold4(const double* c, v4d
     if (has_d) prod += c[P_D2] * d2;
     v4d check = c[C_P2] * sq_capped4(pred) + c[C_QS] * qs + c[C_S12] * sq_capped4(s1) + c[C_S2] * s2 +
                 c[C_Q] * q;
+    // a skipped term (coefficient 0) adds nothing where its operands are finite, NaN where not
     m4 bad = (m4)splat(0.0);
     if (c[ETA_LOG2] > -1000.0 || c[ETA_ABSOLUTE] != 0) {
         check += eta2 * y1;
@@ -1417,6 +1417,33 @@ static void check_t(CheckArgs g) {
 #pragma omp parallel num_threads(threads_for(g.nt, (double)g.nbc * (M * TN + TM * N) * 20))
     {
         std::vector<double> eta_r(TN);
+        // residuals and thresholds of n <= 4 sums of one side (the lanes beyond n repeat the last,
+        // not stored): the sums at o[l] (their output sums in zs, predictions, bounds and results
+        // indexed so), their second side's rows y[l] of ys; the first side's statistics shared
+        // (x: x1, xinf, xs1, xsinf times alpha^2; nu, its exponent ex, its low-entropy flag)
+        auto four = [&](const double* coef, const double* zs, const double* preds, const double* ts,
+                        double* res_out, double* thr_out, const i64* o, const Side& ys, const i64* y, int n,
+                        const double* x, double nu, double ex, bool xlow, double eta2) {
+            auto at = [&](const double* v, const i64* ix) { return (v4d){v[ix[0]], v[ix[1]], v[ix[2]], v[ix[3]]}; };
+            auto lane = [&](int f) {
+                return (v4d){zs[o[0] * nz + f], zs[o[1] * nz + f], zs[o[2] * nz + f], zs[o[3] * nz + f]};
+            };
+            v4d pred = at(preds, o), t = g.cap ? at(ts, o) : splat(0.0);
+            if (alpha != 1) { pred *= alpha; t *= aabs; }
+            const v4d s1 = lane(0);
+            const v4d res = has_d ? s1 - pred - lane(5) : s1 - pred;
+            m4 low = (m4)splat(0.0);
+            if (xlow)
+                for (int l = 0; l < 4; l++) low[l] = ys.low[y[l]] ? -1 : 0;
+            const v4d thr = threshold4(coef, s1, lane(1), lane(2), pred, x[0], x[1], x[2], x[3], at(ys.r1, y),
+                                       at(ys.rinf, y), nu, low, ex, at(ys.e, y), has_d,
+                                       has_d ? lane(6) : splat(0.0), has_d ? lane(7) : splat(0.0), g.cap != 0, t,
+                                       half ? lane(4) : splat(coef[BS]), eta2);
+            for (int l = 0; l < n; l++) {
+                res_out[o[l]] = res[l];
+                thr_out[o[l]] = thr[l];
+            }
+        };
 #pragma omp for schedule(dynamic, 1)
         for (i64 job = 0; job < jobs; job++) {
             i64 b = job / TM, p = job % TM, bb = g.ib[b];
@@ -1431,78 +1458,33 @@ static void check_t(CheckArgs g) {
             const i64 pa = b * TM + p;
             const double eta_c = eta2_of(g.coef_c, EA[p]);
             for (i64 q = 0; q < TN; q++) eta_r[q] = eta2_of(g.coef_r, FB[q]);
-            // column sums of block p (all columns)
+            const double xa[4] = {g.A.x1[pa] * a2, g.A.xinf[pa] * a2, g.A.xs1[pa] * a2, g.A.xsinf[pa] * a2};
             double* rcp = g.res_c + (b * TM + p) * N;
             double* tcp = g.thr_c + (b * TM + p) * N;
-            {
-                // four sums at a time; the last group's missing lanes repeat its last sum (not stored)
-                const double* cc = g.coef_c;
-                const double *zc = &colz[(b * TM + p) * N * nz], *pc = predc + (b * TM + p) * N,
-                             *tc = g.cap ? tcol + (b * TM + p) * N : nullptr;
-                const double *r1 = g.B.r1 + bb * N, *ri = g.B.rinf + bb * N;
-                const uint8_t* bl = g.B.low + bb * N;
-                const double x1 = g.A.x1[pa] * a2, xinf = g.A.xinf[pa] * a2, xs1 = g.A.xs1[pa] * a2,
-                             xsinf = g.A.xsinf[pa] * a2;
-                for (i64 j = 0; j < N; j += 4) {
-                    const i64 n = std::min<i64>(4, N - j);
-                    i64 jl[4];
-                    for (int l = 0; l < 4; l++) jl[l] = j + std::min<i64>(l, n - 1);
-                    auto at = [&](const double* v) { return (v4d){v[jl[0]], v[jl[1]], v[jl[2]], v[jl[3]]}; };
-                    auto lane = [&](int f) {
-                        return (v4d){zc[jl[0] * nz + f], zc[jl[1] * nz + f], zc[jl[2] * nz + f], zc[jl[3] * nz + f]};
-                    };
-                    v4d pred = at(pc), t = g.cap ? at(tc) : splat(0.0);
-                    if (alpha != 1) { pred *= alpha; t *= aabs; }
-                    const v4d s1 = lane(0);
-                    v4d res = has_d ? s1 - pred - lane(5) : s1 - pred;
-                    m4 low = (m4)splat(0.0);
-                    if (a_low)
-                        for (int l = 0; l < 4; l++) low[l] = bl[jl[l]] ? -1 : 0;
-                    v4d thr = threshold4(cc, s1, lane(1), lane(2), pred, x1, xinf, xs1, xsinf, at(r1),
-                                         at(ri), g.A.nu[pa], low, EA[p], at(fB), has_d,
-                                         has_d ? lane(6) : splat(0.0), has_d ? lane(7) : splat(0.0),
-                                         g.cap != 0, t, half ? lane(4) : splat(cc[BS]), eta_c);
-                    for (i64 l = 0; l < n; l++) {
-                        rcp[j + l] = res[l];
-                        tcp[j + l] = thr[l];
-                    }
+            // column sums of block p (all columns), four at a time
+            for (i64 j = 0; j < N; j += 4) {
+                const int n = (int)std::min<i64>(4, N - j);
+                i64 o[4], y[4];
+                for (int l = 0; l < 4; l++) {
+                    y[l] = bb * N + j + std::min(l, n - 1);
+                    o[l] = (b * TM + p) * N + j + std::min(l, n - 1);
                 }
+                four(g.coef_c, colz, predc, tcol, g.res_c, g.thr_c, o, g.B, y, n, xa, g.A.nu[pa], EA[p],
+                     a_low, eta_c);
             }
             // row sums of the rows of block p, per block of columns: four rows at a time
             for (i64 q = 0; q < TN; q++) {
-                const double* cr = g.coef_r;
                 const i64 qb = bb * TN + q;
-                const double x1 = g.B.x1[qb] * a2, xinf = g.B.xinf[qb] * a2, xs1 = g.B.xs1[qb] * a2,
-                             xsinf = g.B.xsinf[qb] * a2;
-                const bool blow = blowq[bb * TN + q] != 0;
-                const double *ar1 = g.A.r1 + b * M, *arinf = g.A.rinf + b * M;
-                const uint8_t* al = g.A.low + b * M;
+                const double xb[4] = {g.B.x1[qb] * a2, g.B.xinf[qb] * a2, g.B.xs1[qb] * a2, g.B.xsinf[qb] * a2};
                 for (i64 i = i0; i < i1; i += 4) {
-                    const i64 n = std::min<i64>(4, i1 - i);
-                    i64 il[4], o[4];
+                    const int n = (int)std::min<i64>(4, i1 - i);
+                    i64 o[4], y[4];
                     for (int l = 0; l < 4; l++) {
-                        il[l] = i + std::min<i64>(l, n - 1);
-                        o[l] = (b * M + il[l]) * TN + q;
+                        y[l] = b * M + i + std::min(l, n - 1);
+                        o[l] = y[l] * TN + q;
                     }
-                    auto at = [&](const double* v, const i64* ix) { return (v4d){v[ix[0]], v[ix[1]], v[ix[2]], v[ix[3]]}; };
-                    auto lane = [&](int f) {
-                        return (v4d){rowz[o[0] * nz + f], rowz[o[1] * nz + f], rowz[o[2] * nz + f], rowz[o[3] * nz + f]};
-                    };
-                    v4d pred = at(g.times, o), t = g.cap ? at(trow, o) : splat(0.0);
-                    if (alpha != 1) { pred *= alpha; t *= aabs; }
-                    const v4d s1 = lane(0);
-                    v4d res = has_d ? s1 - pred - lane(5) : s1 - pred;
-                    m4 low = (m4)splat(0.0);
-                    if (blow)
-                        for (int l = 0; l < 4; l++) low[l] = al[il[l]] ? -1 : 0;
-                    v4d thr = threshold4(cr, s1, lane(1), lane(2), pred, x1, xinf, xs1, xsinf, at(ar1, il),
-                                         at(arinf, il), g.B.nu[qb], low, FB[q], at(eA, il), has_d,
-                                         has_d ? lane(6) : splat(0.0), has_d ? lane(7) : splat(0.0),
-                                         g.cap != 0, t, half ? lane(4) : splat(cr[BS]), eta_r[q]);
-                    for (i64 l = 0; l < n; l++) {
-                        g.res_r[o[l]] = res[l];
-                        g.thr_r[o[l]] = thr[l];
-                    }
+                    four(g.coef_r, rowz, g.times, trow, g.res_r, g.thr_r, o, g.A, y, n, xb, g.B.nu[qb], FB[q],
+                         blowq[bb * TN + q] != 0, eta_r[q]);
                 }
             }
             // row norms of A's block (the overflow bound): taken where a tile's C is not finite
