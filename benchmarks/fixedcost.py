@@ -56,11 +56,15 @@ def _median_ms(fn, reps, warmup):
     return statistics.median(ts) * 1e3
 
 
+def bits_equal(p, q):
+    """Two tensors equal bit for bit, NaN where NaN (its sign aside)."""
+    return torch.equal(torch.nan_to_num(p, 7.0, 8.0, 9.0), torch.nan_to_num(q, 7.0, 8.0, 9.0)) \
+        and torch.equal(p.isnan(), q.isnan())
+
+
 def _same(x, y):
     """Two checks' (verdict, detail) equal bit for bit, NaN where NaN (its sign aside)."""
-    eq = lambda p, q: torch.equal(torch.nan_to_num(p, 7.0, 8.0, 9.0), torch.nan_to_num(q, 7.0, 8.0, 9.0)) \
-        and torch.equal(p.isnan(), q.isnan())
-    return eq(x[0], y[0]) and all(eq(p, q) for p, q in zip(x[1], y[1]))
+    return bits_equal(x[0], y[0]) and all(bits_equal(p, q) for p, q in zip(x[1], y[1]))
 
 
 def load_other(kernels_dir):

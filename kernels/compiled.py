@@ -176,10 +176,6 @@ def _batch_index(bbatch, batch):
         return ib.expand(batch).reshape(-1).contiguous()
 
 
-def _ptr(t):
-    return None if t is None else t.data_ptr()
-
-
 def stats(x, bs, *, need_abs):
     """``stats.operand_stats(x, bs, need_s=True, need_abs=need_abs)``, compiled: the statistics of
     a B kept between calls (``reference.weight_stats``); a check computes its own inside its call."""

@@ -13,7 +13,7 @@ from abft.kernels import layout as L
 from abft.kernels import threshold as T
 
 sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
-from fixedcost import cases  # noqa: E402
+from fixedcost import bits_equal, cases  # noqa: E402
 
 pytestmark = pytest.mark.skipif(compiled.library() is None, reason="no compiled reference check here")
 
@@ -345,10 +345,6 @@ def test_eight_or_more_blocks_a_side_give_the_oracles_verdicts(dtype, k):
     assert differences(got, want, dtype == torch.float64, loose) == []
 
 
-def _bits_equal(x, y):
-    return torch.equal(x.isnan(), y.isnan()) and torch.equal(x.nan_to_num(7.0, 8.0, 9.0), y.nan_to_num(7.0, 8.0, 9.0))
-
-
 def test_the_summary_counted_in_the_call_is_the_verdicts():
     """The compiled check's summary (tiles alarmed, unverified, all, the worst ratio) is
     ``layout.summary`` of its own verdict, on every special case (alarms, NONFINITE and unverified
@@ -361,7 +357,7 @@ def test_the_summary_counted_in_the_call_is_the_verdicts():
         v, d, s = reference.check(a, b, c, summary=True, **kw)
         assert s == L.summary(v), (n, a.dtype, tuple(a.shape))
         v2, d2, _, s2 = reference.check(a, b, c, summary=True, return_sums=True, **kw)
-        assert _bits_equal(v, v2) and all(_bits_equal(x, y) for x, y in zip(d, d2)) and s == s2
+        assert bits_equal(v, v2) and all(bits_equal(x, y) for x, y in zip(d, d2)) and s == s2
         alarmed += s[0] > 0
         unverified += s[1] > 0
         n += 1
@@ -403,7 +399,7 @@ def test_buffers_kept_between_calls_carry_nothing_over():
     (v0, d0, s0, m0), (w0, e0, n0) = fresh[0]
     (v1, d1, s1, m1), (w1, e1, n1) = both()
     for x, y in ((v0, v1), (w0, w1), (v0, w1), *zip(d0, d1), *zip(e0, e1), *zip(s0.values(), s1.values())):
-        assert _bits_equal(x, y)
+        assert bits_equal(x, y)
     assert m0 == m1 == n0 == n1 and m0[0] == 1.0
 
 
