@@ -296,10 +296,9 @@ def matmul(a, b, *, op="matmul", phase="forward", module=None, a_rg=False, b_rg=
         if plan.squeeze == "a":
             return matmul(a.squeeze(0), b, op=op, phase=phase, module=module, a_rg=a_rg, b_rg=b_rg)
         return matmul(a, b.squeeze(0), op=op, phase=phase, module=module, a_rg=a_rg, b_rg=b_rg)
-    x, y, flat, fin, compute = _canonical(plan, a, b)
+    x, y, flat, fin, compute, batch = _canonical(plan, a, b)
     kw = dict(flat_rows=flat, finish=fin, b_stats=_kept(y, b, b_stats))
     if plan.kind == "bmm":
-        batch = decompose.bmm_operands(plan, a, b)[3]
         kw["flat_batch"] = batch if len(batch) != 1 else None
     pb = _kernel(op, x, y, **kw) if route == "triton" else _computed(op, x, y, compute, **kw)
     return run_checked(pb, phase=phase, module=module)
@@ -315,28 +314,29 @@ def _kept(y, b, b_stats):
 
 def _canonical(plan, a, b):
     """One matmul as a canonical product c (..., M, N) = x @ y: (x, y, flat_rows, finish(c) ->
-    torch.matmul's result, compute() -> c by the torch op torch.matmul itself calls)."""
+    torch.matmul's result, compute() -> c by the torch op torch.matmul itself calls, the batch
+    shape a bmm folds (None for the other kinds))."""
     k, flat = plan.kind, None
     if k == "dot":
         return (a.unsqueeze(0), b.unsqueeze(-1), None, lambda c: c.view(()),
-                lambda: a.dot(b).view(1, 1))
+                lambda: a.dot(b).view(1, 1), None)
     if k == "mv":
-        return a, b.unsqueeze(-1), None, lambda c: c.squeeze(-1), lambda: a.mv(b).unsqueeze(-1)
+        return a, b.unsqueeze(-1), None, lambda c: c.squeeze(-1), lambda: a.mv(b).unsqueeze(-1), None
     if k == "mm1":
         x = a.unsqueeze(0)
-        return x, b, None, lambda c: c.squeeze(0), lambda: x.mm(b)
+        return x, b, None, lambda c: c.squeeze(0), lambda: x.mm(b), None
     if k == "mm":
-        return a, b, None, lambda c: c, lambda: a.mm(b)
+        return a, b, None, lambda c: c, lambda: a.mm(b), None
     if k == "fold":
         x, t2, shape = decompose.fold_operands(plan, a, b)
         flat = None if plan.transpose else tuple(shape[:-1] if t2.dim() == 2 else shape)
         if t2.dim() == 2:
             fin = (lambda c: c.view(shape).mT.contiguous()) if plan.transpose else (lambda c: c.view(shape))
-            return x, t2, flat, fin, lambda: x.mm(t2)
-        return x, t2.unsqueeze(-1), flat, lambda c: c.view(shape), lambda: x.mv(t2).unsqueeze(-1)
-    x, y, shape, _ = decompose.bmm_operands(plan, a, b)
+            return x, t2, flat, fin, lambda: x.mm(t2), None
+        return x, t2.unsqueeze(-1), flat, lambda c: c.view(shape), lambda: x.mv(t2).unsqueeze(-1), None
+    x, y, shape, batch = decompose.bmm_operands(plan, a, b)
     fin = (lambda c: c.squeeze(-1).view(shape)) if b.dim() == 1 else (lambda c: c.view(shape))
-    return x, y, flat, fin, lambda: x.bmm(y)
+    return x, y, flat, fin, lambda: x.bmm(y), batch
 
 
 def _torch_op(op, a, b, compute, ts, shape_ok, *, phase="forward", module=None, **kw):

@@ -91,6 +91,22 @@ def test_unsupported_dtypes_get_a_clear_error(dtype):
         abft.matmul(a, a.t())
 
 
+def test_batch_broadcast_is_torchs():
+    """The matmul decomposition's batch broadcast (its own: torch's costs ~10 us a call) gives
+    torch.broadcast_shapes' shape, or its error."""
+    import itertools
+    from abft import decompose
+    dims = [(), (1,), (0,), (3,), (1, 1), (2, 1), (1, 3), (2, 3), (0, 3), (4, 2, 3), (2, 2)]
+    for s, t in itertools.product(dims, repeat=2):
+        try:
+            want = tuple(torch.broadcast_shapes(s, t))
+        except RuntimeError:
+            with pytest.raises(RuntimeError):
+                decompose.broadcast(s, t)
+            continue
+        assert decompose.broadcast(s, t) == want, (s, t)
+
+
 @pytest.mark.parametrize("sa,sb", [((0, 5), (5, 3)), ((4, 5), (5, 0)), ((4, 0), (0, 3)), ((2, 0, 3), (3, 4))])
 @pytest.mark.usefixtures("backend")
 def test_zero_size(sa, sb):
