@@ -136,6 +136,27 @@ def test_scaled_and_strided_operands_give_the_oracles_verdicts(dtype, shift):
     assert differences(got, want, dtype == torch.float64) == []
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+@pytest.mark.parametrize("k", [40, 300])
+def test_a_column_major_a_against_one_block_of_columns_gives_the_oracles_verdicts(dtype, k):
+    """A column-major A (a linear's grad_weight: dY^T) whose row predictions meet one block of B's
+    columns (N <= bn): the statistics add each row's prediction in their own pass. Signed data, a
+    corrupted element, 2-D and batched, K below and above the small-K cap."""
+    g = torch.Generator().manual_seed(5)
+    a = torch.randn(k, 70, generator=g).to(dtype).t()               # (70, k), column-major
+    b = torch.randn(k, 24, generator=g).to(dtype)
+    c = a @ b
+    c[9, 3] = c[9, 3] * 3 + 1
+    got, want, loose = both(a, b, c, bm=32, bn=32)
+    assert differences(got, want, dtype == torch.float64, loose) == []
+    assert L.alarmed(got[0]).sum() == 1 and L.alarmed(got[0])[0, 0]
+    a3 = torch.randn(3, k, 40, generator=g).to(dtype).mT            # (3, 40, k), each column-major
+    b3 = torch.randn(3, k, 16, generator=g).to(dtype)
+    got, want, _ = both(a3, b3, a3 @ b3, bm=16, bn=16)
+    assert differences(got, want, dtype == torch.float64) == []
+    assert not L.alarmed(got[0]).any()
+
+
 def test_kept_weight_statistics_give_the_oracles_verdicts():
     """b_stats from ``weight_stats`` (compiled) and from the torch statistics serve either check."""
     from abft.kernels.stats import operand_stats

@@ -363,10 +363,11 @@ static bool low_entropy(const T* row, i64 sk, const i64* places, i64 np) {
 
 // One or two contiguous rows (NR; x1 unread when 1): per row max |x| (NaN dropped: the caller
 // redoes a row whose sum of squares is not finite) and sum of squares, in LANES accumulators;
-// the rows' values and squares added into the column accumulators bsum and bsq.
-template <int NR, typename T>
+// the rows' values and squares added into the column accumulators bsum and bsq, and with ABS
+// their magnitudes into babs (the first row's, then the second's: the order of a row at a time).
+template <int NR, bool ABS, typename T>
 static void row_pass(const T* __restrict x0, const T* __restrict x1, i64 K, double* __restrict bsum,
-                     double* __restrict bsq, double* amax, double* rsq) {
+                     double* __restrict bsq, double* __restrict babs, double* amax, double* rsq) {
     constexpr int L = LANES / 2;          // two rows' accumulators: as many registers as one's
     alignas(64) double m0[L] = {}, s0[L] = {}, m1[L] = {}, s1[L] = {};
     i64 k = 0;
@@ -382,9 +383,11 @@ static void row_pass(const T* __restrict x0, const T* __restrict x1, i64 K, doub
                 s1[l] += w * w;
                 bsum[k + l] += v + w;
                 bsq[k + l] += v * v + w * w;
+                if (ABS) babs[k + l] = (babs[k + l] + av) + aw;
             } else {
                 bsum[k + l] += v;
                 bsq[k + l] += v * v;
+                if (ABS) babs[k + l] += av;
             }
         }
     }
@@ -394,12 +397,14 @@ static void row_pass(const T* __restrict x0, const T* __restrict x1, i64 K, doub
         s0[0] += v * v;
         bsum[k] += v;
         bsq[k] += v * v;
+        if (ABS) babs[k] += av;
         if (NR == 2) {
             double w = cvt(x1[k]), aw = std::fabs(w);
             m1[0] = m1[0] > aw ? m1[0] : aw;
             s1[0] += w * w;
             bsum[k] += w;
             bsq[k] += w * w;
+            if (ABS) babs[k] += aw;
         }
     }
     amax[0] = lanes_max<L>(m0);
@@ -511,10 +516,13 @@ static void stats_block(const T* x, i64 R, i64 K, i64 sr, i64 sk, i64 bs, i64 p,
         for (i64 i = i0; i < i1; i += 2) {
             const i64 r = i - i0;
             const T* x0 = x + i * sr;
-            if (i + 1 < i1)
-                row_pass<2>(x0, x0 + sr, K, bsum, bsq, &amax[r], &rsq[r]);
-            else
-                row_pass<1>(x0, x0, K, bsum, bsq, &amax[r], &rsq[r]);
+            if (i + 1 < i1) {
+                if (need_abs) row_pass<2, true>(x0, x0 + sr, K, bsum, bsq, babs, &amax[r], &rsq[r]);
+                else row_pass<2, false>(x0, x0 + sr, K, bsum, bsq, babs, &amax[r], &rsq[r]);
+            } else {
+                if (need_abs) row_pass<1, true>(x0, x0, K, bsum, bsq, babs, &amax[r], &rsq[r]);
+                else row_pass<1, false>(x0, x0, K, bsum, bsq, babs, &amax[r], &rsq[r]);
+            }
             for (i64 rr = r; rr < std::min(r + 2, nr); rr++) {
                 const T* xr = x + (i0 + rr) * sr;
                 if (!fin(rsq[rr])) {          // a non-finite element: its max, as torch takes it
@@ -522,8 +530,6 @@ static void stats_block(const T* x, i64 R, i64 K, i64 sr, i64 sk, i64 bs, i64 p,
                     for (i64 k = 0; k < K; k++) m = nmax(m, std::fabs(cvt(xr[k])));
                     amax[rr] = m;
                 }
-                if (need_abs)
-                    for (i64 k = 0; k < K; k++) babs[k] += std::fabs(cvt(xr[k]));
             }
             if (tm && rhsT) {
                 const i64 iend = std::min(i + 2, i1);
@@ -597,6 +603,7 @@ static void stats_block(const T* x, i64 R, i64 K, i64 sr, i64 sk, i64 bs, i64 p,
     } else {
         // rows strided, K strided by sk: walk k outer, the rows of the block inner (contiguous)
         std::vector<double> tt(tm ? nr * S : 0, 0.0);     // times, [q][r]
+        const bool fused = tm && S == 1;
         for (i64 k = 0; k < K; k++) {
             const T* xk = x + k * sk + i0;
             double s = 0.0, s2 = 0.0, sa = 0.0;
@@ -609,13 +616,20 @@ static void stats_block(const T* x, i64 R, i64 K, i64 sr, i64 sk, i64 bs, i64 p,
                 v4d l1[4], l2[4], la[4];       // LANES accumulators each, in registers
                 for (int u = 0; u < 4; u++) l1[u] = l2[u] = la[u] = splat(0.0);
                 if (pf && k + PF_AHEAD < K) prefetch_run(xk + PF_AHEAD * sk, nr);
-                const bool keep = tm != nullptr;        // the values, for the row predictions
+                // with one block of B's columns (S == 1), each row's prediction is added here
+                // (the loop below's operations, in its order per row); with more, the values are
+                // kept for that loop
+                const bool keep = tm != nullptr && !fused;
+                double* __restrict t0 = tt.data();
+                const double w0 = fused ? rhs[k] : 0.0;
+                const v4d w4 = splat(w0);
                 i64 r = 0;
                 for (; r + LANES <= nr; r += LANES) {
                     for (int u = 0; u < 4; u++) {
                         const i64 o = r + 4 * u;
                         const v4d v = load4(xk + o), av = abs4(v), m = load4(am + o);
                         if (keep) store4(bf + o, v);
+                        if (fused) store4(t0 + o, load4(t0 + o) + v * w4);
                         store4(am + o, m > av ? m : av);              // NaN dropped: fixed below
                         store4(rq + o, load4(rq + o) + v * v);
                         l1[u] += v;
@@ -626,6 +640,7 @@ static void stats_block(const T* x, i64 R, i64 K, i64 sr, i64 sk, i64 bs, i64 p,
                 for (; r < nr; r++) {
                     double v = cvt(xk[r]), av = std::fabs(v);
                     if (keep) bf[r] = v;
+                    if (fused) t0[r] += v * w0;
                     am[r] = am[r] > av ? am[r] : av;
                     rq[r] += v * v;
                     l1[0][0] += v;
@@ -648,7 +663,7 @@ static void stats_block(const T* x, i64 R, i64 K, i64 sr, i64 sk, i64 bs, i64 p,
             bsum[k] = s;
             bsq[k] = s2;
             if (need_abs) babs[k] = sa;
-            if (tm) {
+            if (tm && !(fused && !pre)) {
                 for (i64 q = 0; q < S; q++) {
                     double w = rhs[q * K + k];
                     double* tq = tt.data() + q * nr;
