@@ -85,9 +85,13 @@ def test_the_verdict_does_not_change_when_an_operand_is_scaled_by_a_power_of_two
 def test_non_finite_inputs_are_unverified_and_a_non_finite_output_alarms():
     a, b = _operands(torch.float32)
     a[3, 5] = float("nan")
-    _, v, ratio, _ = R.row_checked_gemm(a, b)
+    _, v, ratio, sums = R.row_checked_gemm(a, b)
     assert not L.alarmed(v).any() and v[0, 0, L.STATUS] == L.UNVERIFIED and ratio[3] == 0
-    assert (ratio.abs() > 0).sum() > 30        # the other rows are checked
+    # the other rows are checked: finite residuals (some exactly 0: the interpreter's float32
+    # sums are numpy's, whose order depends on the CPU; 10 of 40 here on 2026-12-05)
+    others = torch.arange(len(ratio)) != 3
+    assert torch.isnan(sums["res"][3]) and torch.isfinite(sums["res"][others]).all()
+    assert (ratio[others].abs() > 0).sum() > 20
     a, b = _operands(torch.float32)
     _, v, _, _ = R.row_checked_gemm(a, b, inject=dict(kind="add", value=float("inf"), row=4,
                                                       col=9, k_step=0))
