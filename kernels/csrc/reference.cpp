@@ -231,11 +231,12 @@ static void dots2(const V* v0, const V* v1, const double* rows, i64 n, i64 K, do
 }
 
 
-// out[j * os] = (PRE ? 1 : sc[j]) sum_k w_jk s[k] for the n rows x_j (K contiguous values, sx
-// apart), w_jk = |x_jk| (ABS) or x_jk, times sc[j] first (PRE): what dots(w_j, s, 1, K, ...) gives,
-// in its order (sixteen lanes in four vectors, the K % 16 rest into the first lane, lanes_sum4),
-// four rows at a time (s loaded once for the four)
-template <int NR, bool ABS, bool PRE, typename T>
+// out[j * os] = sc[j] sum_k w_jk s[k] for the n rows x_j (K contiguous values, sx apart), w_jk =
+// |x_jk| (ABS) or x_jk: what dots(w_j, s, 1, K, sc[j], ...) gives, in its order (sixteen lanes in
+// four vectors, the K % 16 rest into the first lane, lanes_sum4), four rows at a time (s loaded
+// once for the four). Not for float64 operands scaled before the product (their products
+// contract otherwise: those keep dots)
+template <int NR, bool ABS, typename T>
 static inline void row_dots_tile(const T* x, i64 sx, const double* s, i64 K, const double* sc, double* out,
                                  i64 os) {
     v4d a[NR][4];
@@ -248,7 +249,6 @@ static inline void row_dots_tile(const T* x, i64 sx, const double* s, i64 K, con
             for (int r = 0; r < NR; r++) {
                 v4d w = load4(x + r * sx + k + 4 * u);
                 if (ABS) w = abs4(w);
-                if (PRE) w *= splat(sc[r]);
                 a[r][u] += w * sv;
             }
         }
@@ -256,24 +256,15 @@ static inline void row_dots_tile(const T* x, i64 sx, const double* s, i64 K, con
         for (int r = 0; r < NR; r++) {
             double w = cvt(x[r * sx + k]);
             if (ABS) w = std::fabs(w);
-            if (PRE) w *= sc[r];
             a[r][0][0] += w * s[k];
         }
-    for (int r = 0; r < NR; r++) out[r * os] = lanes_sum4(a[r]) * (PRE ? 1.0 : sc[r]);
+    for (int r = 0; r < NR; r++) out[r * os] = lanes_sum4(a[r]) * sc[r];
 }
-template <bool ABS, bool PRE, typename T>
+template <bool ABS, typename T>
 static void row_dots(const T* x, i64 sx, i64 n, const double* s, i64 K, const double* sc, double* out, i64 os) {
     i64 j = 0;
-    for (; j + 4 <= n; j += 4) row_dots_tile<4, ABS, PRE>(x + j * sx, sx, s, K, sc + j, out + j * os, os);
-    for (; j < n; j++) row_dots_tile<1, ABS, PRE>(x + j * sx, sx, s, K, sc + j, out + j * os, os);
-}
-template <typename T>
-static void row_dots_any(bool absx, bool pre, const T* x, i64 sx, i64 n, const double* s, i64 K,
-                         const double* sc, double* out, i64 os) {
-    if (absx && pre) row_dots<true, true>(x, sx, n, s, K, sc, out, os);
-    else if (absx) row_dots<true, false>(x, sx, n, s, K, sc, out, os);
-    else if (pre) row_dots<false, true>(x, sx, n, s, K, sc, out, os);
-    else row_dots<false, false>(x, sx, n, s, K, sc, out, os);
+    for (; j + 4 <= n; j += 4) row_dots_tile<4, ABS>(x + j * sx, sx, s, K, sc + j, out + j * os, os);
+    for (; j < n; j++) row_dots_tile<1, ABS>(x + j * sx, sx, s, K, sc + j, out + j * os, os);
 }
 
 // ---------------------------------------------------------------------------------------------
@@ -1016,7 +1007,7 @@ static void thin_t(const T* b, i64 K, i64 N, i64 sk, i64 sn, const double* s, i6
                 for (i64 j = 0; j < nj; j++)
                     for (i64 p = 0; p < TM; p++) out[p * N + j0 + j] = tg[j * S8 + p] * (pre ? 1.0 : sc[j]);
             });
-    } else if (TM < 4) {
+    } else if (TM < 4 && !pre) {
         // columns of b contiguous, fewer than four rows of s: each row of s against the columns,
         // four columns at a time (each a row of row_dots), in groups of 64 columns
         std::vector<double> sc(N);
@@ -1025,7 +1016,8 @@ static void thin_t(const T* b, i64 K, i64 N, i64 sk, i64 sn, const double* s, i6
         parallel_for(threads_for(nt, (double)TM * K * N), groups, [] { return 0; }, [&](i64 gi, int&) {
             const i64 j0 = gi * G, nj = std::min(G, N - j0);
             for (i64 p = 0; p < TM; p++)
-                row_dots_any(absb, pre, b + j0 * sn, sn, nj, s + p * K, K, sc.data() + j0, out + p * N + j0, 1);
+                if (absb) row_dots<true>(b + j0 * sn, sn, nj, s + p * K, K, sc.data() + j0, out + p * N + j0, 1);
+                else row_dots<false>(b + j0 * sn, sn, nj, s + p * K, K, sc.data() + j0, out + p * N + j0, 1);
         });
     } else {
         // columns of b contiguous: dot products over k
@@ -1329,11 +1321,11 @@ static void check_t(CheckArgs g) {
             const T* a = (const T*)g.a + g.offa[b];
             const double* eA = g.A.e + b * M;
             const double* aB = g.absB + bb * TN * K;
-            if (g.sak == 1 && TN < 4) {            // contiguous rows: four rows at a time
+            if (g.sak == 1 && TN < 4 && !pre) {    // contiguous rows: four rows at a time
                 std::vector<double> sca(M);
                 for (i64 i = 0; i < M; i++) sca[i] = pow2(-eA[i]);
                 for (i64 q = 0; q < TN; q++)
-                    row_dots_any(true, pre, a, g.sam, M, aB + q * K, K, sca.data(), &trow[b * M * TN + q], TN);
+                    row_dots<true>(a, g.sam, M, aB + q * K, K, sca.data(), &trow[b * M * TN + q], TN);
                 return;
             }
             std::vector<double> row(K + 4);
