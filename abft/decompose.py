@@ -68,14 +68,16 @@ def fold_operands(plan, a, b):
 
 
 def broadcast(s, t):
-    """``torch.broadcast_shapes(s, t)`` of two tuples of ints (torch's raises on a mismatch):
-    torch's own runs its symbolic-shape checks per dimension, about 10 us a call."""
+    """``torch.broadcast_shapes(s, t)`` of two shapes (torch's, and its error, on a mismatch and
+    under torch.compile, whose symbolic sizes want its size-oblivious checks): torch's own runs
+    those checks per dimension, about 10 us a call in eager."""
+    if torch.compiler.is_compiling():
+        return tuple(torch.broadcast_shapes(s, t))
     if s == t:
         return tuple(s)
     n = max(len(s), len(t))
-    s, t = (1,) * (n - len(s)) + tuple(s), (1,) * (n - len(t)) + tuple(t)
     out = []
-    for x, y in zip(s, t):
+    for x, y in zip((1,) * (n - len(s)) + tuple(s), (1,) * (n - len(t)) + tuple(t)):
         if x != y and x != 1 and y != 1:
             return tuple(torch.broadcast_shapes(s, t))
         out.append(y if x == 1 else x)
