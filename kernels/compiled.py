@@ -176,6 +176,11 @@ def _batch_index(bbatch, batch):
         return ib.expand(batch).reshape(-1).contiguous()
 
 
+def _addresses(ts):
+    """The data pointers of ``ts``, 0 for None (the library's arrays of pointers)."""
+    return [0 if t is None else t.data_ptr() for t in ts]
+
+
 def stats(x, bs, *, need_abs):
     """``stats.operand_stats(x, bs, need_s=True, need_abs=need_abs)``, compiled: the statistics of
     a B kept between calls (``reference.weight_stats``); a check computes its own inside its call."""
@@ -191,8 +196,8 @@ def stats(x, bs, *, need_abs):
     places = _kept_places(k, n_places, x.device)
     dims = array.array("q", (DTYPES[x.dtype], math.prod(batch), r, k, x.stride(-2), x.stride(-1), bs,
                              n_places, int(need_abs), torch.get_num_threads()))
-    ptrs = array.array("Q", [0 if z is None else z.data_ptr() for z in (
-        x, _offsets(x, batch), places, e, r1, rinf, finite, low, E, x1, xinf, xs1, xsinf, nu, s, absum)])
+    ptrs = array.array("Q", _addresses((x, _offsets(x, batch), places, e, r1, rinf, finite, low, E, x1,
+                                        xinf, xs1, xsinf, nu, s, absum)))
     err = _lib.abft_stats(dims.buffer_info()[0], ptrs.buffer_info()[0])
     if err:
         raise RuntimeError(f"abft_stats failed ({err})")
@@ -236,7 +241,7 @@ def _kept_pointers(s, cap):
     kept = [None if z is None else z if z.is_contiguous() else z.contiguous()
             for z in (s.e, s.r1, s.rinf, s.E, s.x1, s.xinf, s.xs1, s.xsinf, s.nu, s.finite, s.low,
                       s.s, s.absum if cap else None)]
-    return kept, [0 if z is None else z.data_ptr() for z in kept]
+    return kept, _addresses(kept)
 
 
 def check(a, b, c, *, bm, bn, units, acc, chk, alpha, addend, beta, lam, return_sums, b_stats,
@@ -283,7 +288,7 @@ def check(a, b, c, *, bm, bn, units, acc, chk, alpha, addend, beta, lam, return_
     kept, kept_ptrs = _kept_pointers(b_stats, cap)
     # the arguments as flat arrays (array.array builds them several times faster than ctypes)
     keep = [*offs[:4], offs[4], ib, places, a, b, c, d]
-    ptrs = array.array("Q", [0 if z is None else z.data_ptr() for z in keep])
+    ptrs = array.array("Q", _addresses(keep))
     ptrs.extend(kept_ptrs)
     ptrs.append(coef.data_ptr())
     ptrs.append(ptrs[-1] + coef.stride(0) * 8)          # the row sums' coefficients

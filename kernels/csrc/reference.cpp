@@ -169,6 +169,43 @@ static inline double lanes_sum4(const v4d* l) {
     return (h[0] + h[2]) + (h[1] + h[3]);
 }
 
+// out[j * os] = sc[j] sum_k w_jk s[k] for the n rows x_j (K contiguous values, sx apart), w_jk =
+// |x_jk| (ABS) or x_jk, in one order (sixteen lanes in four vectors, the K % 16 rest into the
+// first lane, lanes_sum4; dots' one-vector rows are the one-row case), four rows at a time (s
+// loaded once for the four). Not for float64 operands scaled before the product: with the
+// scaling inside, the compiler contracts their products otherwise, so those keep dots on a
+// scaled copy
+template <int NR, bool ABS, typename T>
+static inline void row_dots_tile(const T* x, i64 sx, const double* s, i64 K, const double* sc, double* out,
+                                 i64 os) {
+    v4d a[NR][4];
+    for (int r = 0; r < NR; r++)
+        for (int u = 0; u < 4; u++) a[r][u] = splat(0.0);
+    i64 k = 0;
+    for (; k + LANES <= K; k += LANES)
+        for (int u = 0; u < 4; u++) {
+            const v4d sv = load4(s + k + 4 * u);
+            for (int r = 0; r < NR; r++) {
+                v4d w = load4(x + r * sx + k + 4 * u);
+                if (ABS) w = abs4(w);
+                a[r][u] += w * sv;
+            }
+        }
+    for (; k < K; k++)
+        for (int r = 0; r < NR; r++) {
+            double w = cvt(x[r * sx + k]);
+            if (ABS) w = std::fabs(w);
+            a[r][0][0] += w * s[k];
+        }
+    for (int r = 0; r < NR; r++) out[r * os] = lanes_sum4(a[r]) * sc[r];
+}
+template <bool ABS, typename T>
+static void row_dots(const T* x, i64 sx, i64 n, const double* s, i64 K, const double* sc, double* out, i64 os) {
+    i64 j = 0;
+    for (; j + 4 <= n; j += 4) row_dots_tile<4, ABS>(x + j * sx, sx, s, K, sc + j, out + j * os, os);
+    for (; j < n; j++) row_dots_tile<1, ABS>(x + j * sx, sx, s, K, sc + j, out + j * os, os);
+}
+
 // out[q * os] = m * sum_k v[k] rows[q * K + k] for q < n: one vector against n rows, four at a time
 template <typename V>
 static void dots(const V* v, const double* rows, i64 n, i64 K, double m, double* out, i64 os) {
@@ -189,16 +226,8 @@ static void dots(const V* v, const double* rows, i64 n, i64 K, double m, double*
         out[(q + 2) * os] = a2 * m;
         out[(q + 3) * os] = a3 * m;
     }
-    for (; q < n; q++) {           // LANES accumulators in registers (four vectors)
-        const double* rq = rows + q * K;
-        v4d a[4];
-        for (int u = 0; u < 4; u++) a[u] = splat(0.0);
-        i64 k = 0;
-        for (; k + LANES <= K; k += LANES)
-            for (int u = 0; u < 4; u++) a[u] += load4(v + k + 4 * u) * load4(rq + k + 4 * u);
-        for (; k < K; k++) a[0][0] += cvt(v[k]) * rq[k];
-        out[q * os] = lanes_sum4(a) * m;
-    }
+    for (; q < n; q++)             // LANES accumulators in registers (four vectors)
+        row_dots_tile<1, false>(v, 0, rows + q * K, K, &m, out + q * os, os);
 }
 
 // dots for two vectors at once (each row loaded once for both): o0 from v0 (times m0), o1 from v1
@@ -230,42 +259,6 @@ static void dots2(const V* v0, const V* v1, const double* rows, i64 n, i64 K, do
     }
 }
 
-
-// out[j * os] = sc[j] sum_k w_jk s[k] for the n rows x_j (K contiguous values, sx apart), w_jk =
-// |x_jk| (ABS) or x_jk: what dots(w_j, s, 1, K, sc[j], ...) gives, in its order (sixteen lanes in
-// four vectors, the K % 16 rest into the first lane, lanes_sum4), four rows at a time (s loaded
-// once for the four). Not for float64 operands scaled before the product (their products
-// contract otherwise: those keep dots)
-template <int NR, bool ABS, typename T>
-static inline void row_dots_tile(const T* x, i64 sx, const double* s, i64 K, const double* sc, double* out,
-                                 i64 os) {
-    v4d a[NR][4];
-    for (int r = 0; r < NR; r++)
-        for (int u = 0; u < 4; u++) a[r][u] = splat(0.0);
-    i64 k = 0;
-    for (; k + LANES <= K; k += LANES)
-        for (int u = 0; u < 4; u++) {
-            const v4d sv = load4(s + k + 4 * u);
-            for (int r = 0; r < NR; r++) {
-                v4d w = load4(x + r * sx + k + 4 * u);
-                if (ABS) w = abs4(w);
-                a[r][u] += w * sv;
-            }
-        }
-    for (; k < K; k++)
-        for (int r = 0; r < NR; r++) {
-            double w = cvt(x[r * sx + k]);
-            if (ABS) w = std::fabs(w);
-            a[r][0][0] += w * s[k];
-        }
-    for (int r = 0; r < NR; r++) out[r * os] = lanes_sum4(a[r]) * sc[r];
-}
-template <bool ABS, typename T>
-static void row_dots(const T* x, i64 sx, i64 n, const double* s, i64 K, const double* sc, double* out, i64 os) {
-    i64 j = 0;
-    for (; j + 4 <= n; j += 4) row_dots_tile<4, ABS>(x + j * sx, sx, s, K, sc + j, out + j * os, os);
-    for (; j < n; j++) row_dots_tile<1, ABS>(x + j * sx, sx, s, K, sc + j, out + j * os, os);
-}
 
 // ---------------------------------------------------------------------------------------------
 // out[r * os + q] (+= where add) sum_k x[r * sx + k] yt[k * S8 + q] for k < kc, NR rows of x and
