@@ -157,6 +157,37 @@ def test_a_column_major_a_against_one_block_of_columns_gives_the_oracles_verdict
     assert not L.alarmed(got[0]).any()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_low_entropy_rows_are_the_oracles(dtype):
+    """Each row's low-entropy flag (``stats.low_entropy`` at its sampled places) against torch's,
+    for rows whose samples repeat 0 to 16 times, hold +0 beside -0 (equal values, other bits: three
+    samples {+0, -0, x} are low), or NaNs with one bit pattern (equal bits, unequal values): the
+    compiled check tells "no two samples equal" apart without counting, and must not be fooled by
+    either. Rows of K = 1 to 200, contiguous and strided."""
+    from abft.kernels.stats import operand_stats
+    g = torch.Generator().manual_seed(11)
+    nan = torch.tensor(float("nan"))
+    for k in (1, 2, 3, 4, 5, 8, 15, 16, 17, 64, 200):
+        rows = []
+        for distinct in (1, 2, 3, 4, 5, 8, 16, 1000):
+            pool = torch.randn(distinct, generator=g)
+            rows.append(pool[torch.randint(0, distinct, (k,), generator=g)])
+        rows.append(torch.randn(k, generator=g))
+        signed = torch.randn(k, generator=g)
+        signed[::3], signed[1::3] = 0.0, -0.0
+        rows.append(signed)
+        rows.append(torch.tensor([0.0, -0.0, 1.5] * k)[:k])
+        rows.append(torch.tensor([-0.0, 0.0, 2.5, 3.5] * k)[:k])
+        nans = torch.randn(k, generator=g)
+        nans[::2] = nan
+        rows.append(nans)
+        x = torch.stack(rows).to(dtype)
+        for op in (x, x.mT.contiguous().mT):
+            want = operand_stats(op, 4, need_s=True).low
+            got = compiled.stats(op, 4, need_abs=False).low
+            assert torch.equal(got, want), (k, op.stride(), got.tolist(), want.tolist())
+
+
 def test_kept_weight_statistics_give_the_oracles_verdicts():
     """b_stats from ``weight_stats`` (compiled) and from the torch statistics serve either check."""
     from abft.kernels.stats import operand_stats

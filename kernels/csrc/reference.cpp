@@ -19,7 +19,7 @@
 #ifdef _OPENMP
 #include <omp.h>
 #endif
-#if defined(__AVX__) && defined(__F16C__)
+#if (defined(__AVX__) && defined(__F16C__)) || (defined(__AVX512F__) && defined(__AVX512CD__))
 #include <immintrin.h>
 #endif
 
@@ -343,6 +343,19 @@ static const struct Inv {
     double operator[](int n) const { return v[n]; }
 } INV;
 
+#if defined(__AVX512F__) && defined(__AVX512CD__)
+// Whether two of the first np (<= 16) of sixteen floats may be equal: vpconflictd marks each lane
+// whose bits equal an earlier lane's, after -0 + 0 made every zero +0 (distinct bits are then
+// distinct values). A NaN equals nothing but its bits may repeat: then a "maybe", which the
+// caller counts exactly.
+static inline bool may_repeat16(const float* v, i64 np) {
+    const __m512 x = _mm512_add_ps(_mm512_load_ps(v), _mm512_setzero_ps());
+    const __m512i hits = _mm512_conflict_epi32(_mm512_castps_si512(x));
+    const __mmask16 valid = (__mmask16)((1u << np) - 1);
+    return _mm512_mask_test_epi32_mask(valid, hits, _mm512_set1_epi32((int)valid)) != 0;
+}
+#endif
+
 // stats.low_entropy of one row (sampled at np places of stride sk), torch's formula branch-free:
 // same_j = how many samples equal sample j (0 for NaN), distinct = sum_j 1 / same_j, repeated =
 // the largest same_j of a nonzero sample. The samples are compared in S (float holds every
@@ -354,10 +367,14 @@ static bool low_entropy(const T* row, i64 sk, const i64* places, i64 np) {
     alignas(64) S v[64];
     alignas(64) C same[64];
     const int npad = np <= 16 ? 16 : 64;
-    for (int j = 0; j < npad; j++) {
-        v[j] = j < np ? (S)cvt(row[places[j] * sk]) : (S)NaN;
-        same[j] = 0;
-    }
+    for (int j = 0; j < npad; j++) v[j] = j < np ? (S)cvt(row[places[j] * sk]) : (S)NaN;
+    const i64 quarter = std::max<i64>(2, np / 4);
+#if defined(__AVX512F__) && defined(__AVX512CD__)
+    // no two samples equal (the usual case): not low (as below), found in one instruction
+    if constexpr (sizeof(S) == 4)
+        if (npad == 16 && np > quarter && !may_repeat16((const float*)v, np)) return false;
+#endif
+    for (int j = 0; j < npad; j++) same[j] = 0;
     if (npad == 16) {
         for (int l = 0; l < 16; l++) {
             const S vl = v[l];
@@ -371,7 +388,6 @@ static bool low_entropy(const T* row, i64 sk, const i64* places, i64 np) {
             for (int j = 0; j < 64; j++) same[j] += v[j] == vl ? 1 : 0;
         }
     }
-    const i64 quarter = std::max<i64>(2, np / 4);
     C most = 0;
 #pragma omp simd reduction(max : most)
     for (int j = 0; j < npad; j++) most = std::max(most, same[j]);
