@@ -188,6 +188,42 @@ def test_low_entropy_rows_are_the_oracles(dtype):
             assert torch.equal(got, want), (k, op.stride(), got.tolist(), want.tolist())
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_a_batch_checked_matrix_by_matrix_gives_one_threads_bits(dtype):
+    """On two threads a batch of small matrices, each with its own B, is checked one matrix per
+    thread (``by_matrix`` in reference.cpp), not stage by stage across the batch as on one
+    thread: every output bit for bit the same (verdicts, ratios, residuals and thresholds in C's
+    units, the summary), with several tiles a matrix, an addend, non-finite and corrupted outputs
+    in different matrices, and A broadcast against the batch; the oracle's verdicts too."""
+    g = torch.Generator().manual_seed(12)
+    r = lambda *s: torch.randn(*s, generator=g).to(dtype)
+    a, b = r(8, 40, 24), r(8, 24, 36)
+    c = a @ b
+    c[1, 3, 5] = float("inf")
+    c[6, 39, 35] += 50
+    d = r(8, 40, 36)
+    a1 = r(40, 24)
+    work = [(a, b, c, {}), (a, b.mT.contiguous().mT, a @ b, {}), (a1, b, a1 @ b, {}),
+            (a, b, torch.baddbmm(d, a, b, alpha=0.5), dict(alpha=0.5, addend=d))]
+    threads, alarms = torch.get_num_threads(), []
+    try:
+        for x, y, z, kw in work:
+            kw = dict(kw, bm=16, bn=16, units=reference.units_for(z), return_sums=True)
+            out = []
+            for n in (1, 2):
+                torch.set_num_threads(n)
+                out.append(reference.check(x, y, z, summary=True, **kw))
+            (v1, d1, s1, m1), (v2, d2, s2, m2) = out
+            assert bits_equal(v1, v2) and all(bits_equal(p, q) for p, q in zip(d1, d2)), tuple(x.shape)
+            assert all(bits_equal(s1[k], s2[k]) for k in s1) and m1 == m2
+            want = reference.check_torch(x.expand(*y.shape[:-2], *x.shape[-2:]), y, z, **kw)
+            assert differences((v2, d2, s2), want, dtype == torch.float64) == []
+            alarms.append(int(L.alarmed(v2).sum()))
+    finally:
+        torch.set_num_threads(threads)
+    assert alarms == [2, 0, 0, 0]
+
+
 def test_kept_weight_statistics_give_the_oracles_verdicts():
     """b_stats from ``weight_stats`` (compiled) and from the torch statistics serve either check."""
     from abft.kernels.stats import operand_stats

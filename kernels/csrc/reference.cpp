@@ -775,6 +775,30 @@ static void stats_block(const T* x, i64 R, i64 K, i64 sr, i64 sk, i64 bs, i64 p,
     }
 }
 
+// for (i < n) body(i, local) on th threads, each thread's local from init(); schedule static, or
+// dynamic (one index at a time: jobs of uneven cost). On one thread no OpenMP call at all: inside
+// a batch's region (check_batches) each region would cost a team's set-up, about a microsecond,
+// and a bare worksharing loop would bind to the outer team.
+template <typename Init, typename Body>
+static void parallel_for(int th, i64 n, Init init, Body body, bool dynamic = false) {
+    if (th == 1) {
+        auto local = init();
+        for (i64 i = 0; i < n; i++) body(i, local);
+        return;
+    }
+#pragma omp parallel num_threads(th)
+    {
+        auto local = init();
+        if (dynamic) {
+#pragma omp for schedule(dynamic, 1)
+            for (i64 i = 0; i < n; i++) body(i, local);
+        } else {
+#pragma omp for schedule(static)
+            for (i64 i = 0; i < n; i++) body(i, local);
+        }
+    }
+}
+
 template <typename T>
 static void stats_t(const void* xv, i64 nb, const i64* offs, i64 R, i64 K, i64 sr, i64 sk, i64 bs,
                     const i64* places, i64 np, const double* rhs, const i64* rhs_idx, i64 S,
@@ -793,20 +817,21 @@ static void stats_t(const void* xv, i64 nb, const i64* offs, i64 R, i64 K, i64 s
         rhsT.assign(nrhs * K * S8, 0.0);
         for (i64 ib = 0; ib < nrhs; ib++) transposed8(rhs + ib * S * K, S, K, rhsT.data() + ib * K * S8);
     }
-#pragma omp parallel num_threads(threads_for(nt, (double)nb * R * K))
-    {
-        std::vector<double> bsum(K + 1), bsq(K + 1), babs(need_abs ? K + 1 : 1), buf(wbuf + 1),
-            xb(tiles ? ROWS_G * KC : 0), tg(tiles ? ROWS_G * S8 : 0), rowv(5 * std::min(bs, R) + 1);
-#pragma omp for schedule(dynamic, 1)
-        for (i64 job = 0; job < jobs; job++) {
+    struct Bufs { std::vector<double> bsum, bsq, babs, buf, xb, tg, rowv; };
+    parallel_for(threads_for(nt, (double)nb * R * K), jobs,
+                 [&] { return Bufs{std::vector<double>(K + 1), std::vector<double>(K + 1),
+                                   std::vector<double>(need_abs ? K + 1 : 1), std::vector<double>(wbuf + 1),
+                                   std::vector<double>(tiles ? ROWS_G * KC : 0),
+                                   std::vector<double>(tiles ? ROWS_G * S8 : 0),
+                                   std::vector<double>(5 * std::min(bs, R) + 1)}; },
+                 [&](i64 job, Bufs& w) {
             i64 b = job / tb, p = job % tb;
             stats_block<T>(x + offs[b], R, K, sr, sk, bs, p, places, np,
                            rhs ? rhs + rhs_idx[b] * S * K : nullptr,
                            tiles ? rhsT.data() + rhs_idx[b] * K * S8 : nullptr, S, need_abs, need_low, pre,
-                           o, b * R, b * tb, bsum.data(), bsq.data(), babs.data(), buf.data(), xb.data(),
-                           tg.data(), rowv.data());
-        }
-    }
+                           o, b * R, b * tb, w.bsum.data(), w.bsq.data(), w.babs.data(), w.buf.data(),
+                           w.xb.data(), w.tg.data(), w.rowv.data());
+        }, true);
 }
 
 #define DISPATCH(dt, FN, ...)                                       \
@@ -880,24 +905,6 @@ static void thin_tiles(const T* x, i64 N, const double* s, i64 K, i64 TM, i64 k0
     if (TM - p >= 4) { thin_tile<4, ABS, PRE>(x, N, s + p * K, K, k0, k1, sc, out + p * N); p += 4; }
     if (TM - p >= 2) { thin_tile<2, ABS, PRE>(x, N, s + p * K, K, k0, k1, sc, out + p * N); p += 2; }
     if (TM - p >= 1) thin_tile<1, ABS, PRE>(x, N, s + p * K, K, k0, k1, sc, out + p * N);
-}
-
-// for (i < n) body(i, local) on th threads (schedule static), each thread's local from init();
-// on one thread no parallel region at all (inside a batch's region each would cost a team's
-// set-up, about a microsecond)
-template <typename Init, typename Body>
-static void parallel_for(int th, i64 n, Init init, Body body) {
-    if (th == 1) {
-        auto local = init();
-        for (i64 i = 0; i < n; i++) body(i, local);
-        return;
-    }
-#pragma omp parallel num_threads(th)
-    {
-        auto local = init();
-#pragma omp for schedule(static)
-        for (i64 i = 0; i < n; i++) body(i, local);
-    }
 }
 
 // The thin product out (TM, N) = s (TM, K) @ (|b| if absb else b) (K, N), each column times
@@ -1365,14 +1372,16 @@ static void check_t(CheckArgs g) {
     // non-finite values counted, not added.
     const i64 jobs = g.nbc * TM;
     const bool pf = g.scn == 1 && g.nbc * M * N * (i64)sizeof(T) >= PF_BYTES;
-#pragma omp parallel num_threads(threads_for(g.nt, (double)g.nbc * M * N))
-    {
-        // one tile's column accumulators, one array per sum (C's five, then the addend's five)
-        // (C's and the addend's values of the last four rows: a clean row's column sums wait for
-        // three more clean rows, and the four are added in one pass over the accumulators)
-        std::vector<double> cz(bn * nz), scol(bn), segs(8 * bn), zcs(8 * bn), zr(bn);
-#pragma omp for schedule(dynamic, 1)
-        for (i64 job = 0; job < jobs; job++) {
+    // one tile's column accumulators, one array per sum (C's five, then the addend's five)
+    // (C's and the addend's values of the last four rows: a clean row's column sums wait for
+    // three more clean rows, and the four are added in one pass over the accumulators)
+    struct CBufs { std::vector<double> cz, scol, segs, zcs, zr; };
+    parallel_for(threads_for(g.nt, (double)g.nbc * M * N), jobs,
+                 [&] { return CBufs{std::vector<double>(bn * nz), std::vector<double>(bn),
+                                    std::vector<double>(8 * bn), std::vector<double>(8 * bn),
+                                    std::vector<double>(bn)}; },
+                 [&](i64 job, CBufs& cb) {
+            std::vector<double>&cz = cb.cz, &scol = cb.scol, &segs = cb.segs, &zcs = cb.zcs, &zr = cb.zr;
             i64 b = job / TM, p = job % TM, bb = g.ib[b];
             const T* c = (const T*)g.c + g.offc[b];
             const double* d = has_d ? g.d + g.offd[b] : nullptr;
@@ -1480,8 +1489,7 @@ static void check_t(CheckArgs g) {
                     }
                 }
             }
-        }
-    }
+        }, true);
     STAGE("csum");
     // B's blocks that hold a low-entropy column
     const i64 nbb = g.nbb;
@@ -1492,39 +1500,36 @@ static void check_t(CheckArgs g) {
     bool any_nf = false;
     for (i64 j = 0; j < g.nbc * TM; j++) any_nf |= anynf[j] != 0;
     const bool half = g.tiny > 0;
-    // thresholds, ratios and the tile records
-#pragma omp parallel num_threads(threads_for(g.nt, (double)g.nbc * (M * TN + TM * N) * 20))
-    {
-        std::vector<double> eta_r(TN);
-        // residuals and thresholds of n <= 4 sums of one side (the lanes beyond n repeat the last,
-        // not stored): the sums at o[l] (their output sums in zs, predictions, bounds and results
-        // indexed so), their second side's rows y[l] of ys; the first side's statistics shared
-        // (x: x1, xinf, xs1, xsinf times alpha^2; nu, its exponent ex, its low-entropy flag)
-        auto four = [&](const double* coef, const double* zs, const double* preds, const double* ts,
-                        double* res_out, double* thr_out, const i64* o, const Side& ys, const i64* y, int n,
-                        const double* x, double nu, double ex, bool xlow, double eta2) {
-            auto at = [&](const double* v, const i64* ix) { return (v4d){v[ix[0]], v[ix[1]], v[ix[2]], v[ix[3]]}; };
-            auto lane = [&](int f) {
-                return (v4d){zs[o[0] * nz + f], zs[o[1] * nz + f], zs[o[2] * nz + f], zs[o[3] * nz + f]};
-            };
-            v4d pred = at(preds, o), t = g.cap ? at(ts, o) : splat(0.0);
-            if (alpha != 1) { pred *= alpha; t *= aabs; }
-            const v4d s1 = lane(0);
-            const v4d res = has_d ? s1 - pred - lane(5) : s1 - pred;
-            m4 low = (m4)splat(0.0);
-            if (xlow)
-                for (int l = 0; l < 4; l++) low[l] = ys.low[y[l]] ? -1 : 0;
-            const v4d thr = threshold4(coef, s1, lane(1), lane(2), pred, x[0], x[1], x[2], x[3], at(ys.r1, y),
-                                       at(ys.rinf, y), nu, low, ex, at(ys.e, y), has_d,
-                                       has_d ? lane(6) : splat(0.0), has_d ? lane(7) : splat(0.0), g.cap != 0, t,
-                                       half ? lane(4) : splat(coef[BS]), eta2);
-            for (int l = 0; l < n; l++) {
-                res_out[o[l]] = res[l];
-                thr_out[o[l]] = thr[l];
-            }
+    // residuals and thresholds of n <= 4 sums of one side (the lanes beyond n repeat the last,
+    // not stored): the sums at o[l] (their output sums in zs, predictions, bounds and results
+    // indexed so), their second side's rows y[l] of ys; the first side's statistics shared
+    // (x: x1, xinf, xs1, xsinf times alpha^2; nu, its exponent ex, its low-entropy flag)
+    auto four = [&](const double* coef, const double* zs, const double* preds, const double* ts,
+                    double* res_out, double* thr_out, const i64* o, const Side& ys, const i64* y, int n,
+                    const double* x, double nu, double ex, bool xlow, double eta2) {
+        auto at = [&](const double* v, const i64* ix) { return (v4d){v[ix[0]], v[ix[1]], v[ix[2]], v[ix[3]]}; };
+        auto lane = [&](int f) {
+            return (v4d){zs[o[0] * nz + f], zs[o[1] * nz + f], zs[o[2] * nz + f], zs[o[3] * nz + f]};
         };
-#pragma omp for schedule(dynamic, 1)
-        for (i64 job = 0; job < jobs; job++) {
+        v4d pred = at(preds, o), t = g.cap ? at(ts, o) : splat(0.0);
+        if (alpha != 1) { pred *= alpha; t *= aabs; }
+        const v4d s1 = lane(0);
+        const v4d res = has_d ? s1 - pred - lane(5) : s1 - pred;
+        m4 low = (m4)splat(0.0);
+        if (xlow)
+            for (int l = 0; l < 4; l++) low[l] = ys.low[y[l]] ? -1 : 0;
+        const v4d thr = threshold4(coef, s1, lane(1), lane(2), pred, x[0], x[1], x[2], x[3], at(ys.r1, y),
+                                   at(ys.rinf, y), nu, low, ex, at(ys.e, y), has_d,
+                                   has_d ? lane(6) : splat(0.0), has_d ? lane(7) : splat(0.0), g.cap != 0, t,
+                                   half ? lane(4) : splat(coef[BS]), eta2);
+        for (int l = 0; l < n; l++) {
+            res_out[o[l]] = res[l];
+            thr_out[o[l]] = thr[l];
+        }
+    };
+    // thresholds, ratios and the tile records
+    parallel_for(threads_for(g.nt, (double)g.nbc * (M * TN + TM * N) * 20), jobs,
+                 [&] { return std::vector<double>(TN); }, [&](i64 job, std::vector<double>& eta_r) {
             i64 b = job / TM, p = job % TM, bb = g.ib[b];
             const i64 i0 = p * bm, i1 = std::min(M, i0 + bm);
             // A's block p and rows; B's columns and blocks
@@ -1662,16 +1667,14 @@ static void check_t(CheckArgs g) {
                 v[7] = (float)(use_col ? cthr : rthr);
                 v[8] = (float)status;
             }
-        }
-    }
+        }, true);
     STAGE("thr");
     if (!g.units) {
         STAGE(".units");
         return;
     }
     // residuals and thresholds in C's units
-#pragma omp parallel for num_threads(threads_for(g.nt, (double)jobs * N))
-    for (i64 job = 0; job < jobs; job++) {
+    parallel_for(threads_for(g.nt, (double)jobs * N), jobs, [] { return 0; }, [&](i64 job, int&) {
         i64 b = job / TM, p = job % TM, bb = g.ib[b];
         const double *eA = g.A.e + b * M, *EA = g.A.E + b * TM, *fB = g.B.e + bb * N, *FB = g.B.E + bb * TN;
         for (i64 j = 0; j < N; j++) {
@@ -1685,8 +1688,38 @@ static void check_t(CheckArgs g) {
                 g.res_r[(b * M + i) * TN + q] *= sc;
                 g.thr_r[(b * M + i) * TN + q] *= sc;
             }
-    }
+    });
     STAGE(".units");
+}
+
+// Many small matrices with their own B (a batch of attention products): one parallel region over
+// the batch, each matrix's whole check on one thread (its stages one after another, its data in
+// that core's caches), instead of a region per stage spread across the batch, whose set-up and
+// waiting cost more than a 64^3 matrix's stages. Each matrix's results are the same either way
+// (every stage's job is one block of one matrix).
+static bool by_matrix(const CheckArgs& g) {
+    return g.nt > 1 && g.nbc >= 2 * g.nt && g.nbb == g.nbc && g.B.e == nullptr &&
+           footprint(g) / g.nbc <= REUSE_DOUBLES;
+}
+
+template <typename T>
+static void check_batches(const CheckArgs& g) {
+    static const i64 zero = 0;
+    const i64 M = g.M, N = g.N, TM = (M + g.bm - 1) / g.bm, TN = (N + g.bn - 1) / g.bn;
+    parallel_for(g.nt, g.nbc, [] { return 0; }, [&](i64 b, int&) {
+        CheckArgs h = g;
+        h.nbc = h.nbb = 1;
+        h.nt = 1;
+        h.reuse = true;
+        h.offc = g.offc + b; h.offa = g.offa + b; h.offb = g.offb + b; h.offbb = g.offbb + g.ib[b];
+        if (g.d != nullptr) h.offd = g.offd + b;
+        h.ib = &zero;
+        h.verdict = g.verdict + b * TM * TN * 9;
+        h.detail_r = g.detail_r + b * M * TN; h.detail_c = g.detail_c + b * TM * N;
+        h.res_c = g.res_c + b * TM * N; h.thr_c = g.thr_c + b * TM * N;
+        h.res_r = g.res_r + b * M * TN; h.thr_r = g.thr_r + b * M * TN;
+        check_t<T>(h);
+    }, true);
 }
 
 // layout.summary of the verdict: tiles alarmed (a ratio above 1, or NONFINITE), unverified, all
@@ -1744,7 +1777,11 @@ extern "C" int abft_check(const i64* dims, const void* const* ptrs, const double
         g.res_c = grown(g.reuse ? kept : fresh, 2 * (nc + nr));
         g.thr_c = g.res_c + nc; g.res_r = g.thr_c + nc; g.thr_r = g.res_r + nr;
     }
-    DISPATCH(g.dt, check_t, g);
+    if (by_matrix(g)) {
+        DISPATCH(g.dt, check_batches, g);
+    } else {
+        DISPATCH(g.dt, check_t, g);
+    }
     if (outs[7] != nullptr) summarize(g, (double*)outs[7]);
     return 0;
 }
