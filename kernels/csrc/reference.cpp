@@ -863,48 +863,57 @@ extern "C" int abft_stats(const i64* dims, const void* const* ptrs) {
 }
 
 // ---------------------------------------------------------------------------------------------
-// out[p, j0:j0+8] += sum_{k0 <= k < k1} s[p, k] x[k, j0:j0+8] for NP rows of s (stride K), x's
-// rows contiguous (stride N), |x| where ABS, x times sc (8 scales) where PRE: the accumulators
-// of NP x 8 outputs held in registers over the K steps
-template <int NP, bool ABS, bool PRE, typename T>
+// out[p, j0:j0+4NV] += sum_{k0 <= k < k1} s[p, k] x[k, j0:j0+4NV] for NP rows of s (stride K), x's
+// rows contiguous (stride N), |x| where ABS, x times sc (4NV scales) where PRE: the NP x NV
+// accumulators held in registers over the K steps. Each output's sum is one chain of multiply-adds
+// in k order, whatever NP and NV (the same bits); NP x NV chains hide the multiply-add's latency.
+template <int NP, int NV, bool ABS, bool PRE, typename T>
 static inline void thin_tile(const T* x, i64 N, const double* s, i64 K, i64 k0, i64 k1, const double* sc,
                              double* out) {
-    v4d acc[NP][2];
-    for (int p = 0; p < NP; p++) acc[p][0] = acc[p][1] = splat(0.0);
-    const v4d sc0 = PRE ? load4(sc) : splat(1.0), sc1 = PRE ? load4(sc + 4) : splat(1.0);
+    v4d acc[NP][NV], scv[NV];
+    for (int p = 0; p < NP; p++)
+        for (int v = 0; v < NV; v++) acc[p][v] = splat(0.0);
+    for (int v = 0; v < NV; v++) scv[v] = PRE ? load4(sc + 4 * v) : splat(1.0);
     for (i64 k = k0; k < k1; k++) {
         const T* xk = x + k * N;
-        v4d x0 = load4(xk), x1 = load4(xk + 4);
-        if (ABS) {
-            x0 = abs4(x0);
-            x1 = abs4(x1);
-        }
-        if (PRE) {
-            x0 *= sc0;
-            x1 *= sc1;
+        v4d xv[NV];
+        for (int v = 0; v < NV; v++) {
+            xv[v] = load4(xk + 4 * v);
+            if (ABS) xv[v] = abs4(xv[v]);
+            if (PRE) xv[v] *= scv[v];
         }
         for (int p = 0; p < NP; p++) {
             const v4d a = splat(s[p * K + k]);
-            acc[p][0] += a * x0;
-            acc[p][1] += a * x1;
+            for (int v = 0; v < NV; v++) acc[p][v] += a * xv[v];
         }
     }
     for (int p = 0; p < NP; p++) {
         double* o = out + p * N;
-        store4(o, load4(o) + acc[p][0]);
-        store4(o + 4, load4(o + 4) + acc[p][1]);
+        for (int v = 0; v < NV; v++) store4(o + 4 * v, load4(o + 4 * v) + acc[p][v]);
     }
 }
 
-// thin_tile for all TM rows of s, six at a time (twelve accumulators of the sixteen registers)
-template <bool ABS, bool PRE, typename T>
+// thin_tile for all TM rows of s, G at a time (G x NV accumulators: twelve at most, of the
+// sixteen registers), then what remains in fewer
+template <int NV, bool ABS, bool PRE, typename T>
 static void thin_tiles(const T* x, i64 N, const double* s, i64 K, i64 TM, i64 k0, i64 k1, const double* sc,
                        double* out) {
+    constexpr int G = 12 / NV < 6 ? 12 / NV : 6;
     i64 p = 0;
-    for (; p + 6 <= TM; p += 6) thin_tile<6, ABS, PRE>(x, N, s + p * K, K, k0, k1, sc, out + p * N);
-    if (TM - p >= 4) { thin_tile<4, ABS, PRE>(x, N, s + p * K, K, k0, k1, sc, out + p * N); p += 4; }
-    if (TM - p >= 2) { thin_tile<2, ABS, PRE>(x, N, s + p * K, K, k0, k1, sc, out + p * N); p += 2; }
-    if (TM - p >= 1) thin_tile<1, ABS, PRE>(x, N, s + p * K, K, k0, k1, sc, out + p * N);
+    for (; p + G <= TM; p += G) thin_tile<G, NV, ABS, PRE>(x, N, s + p * K, K, k0, k1, sc, out + p * N);
+    if (G > 4 && TM - p >= 4) { thin_tile<4, NV, ABS, PRE>(x, N, s + p * K, K, k0, k1, sc, out + p * N); p += 4; }
+    if (G > 2 && TM - p >= 2) { thin_tile<2, NV, ABS, PRE>(x, N, s + p * K, K, k0, k1, sc, out + p * N); p += 2; }
+    if (G > 1 && TM - p >= 1) thin_tile<1, NV, ABS, PRE>(x, N, s + p * K, K, k0, k1, sc, out + p * N);
+}
+
+// thin_tiles for columns 4NV wide, by the run-time choice of |x| and scaling
+template <int NV, typename T>
+static void thin_cols(bool absb, bool pre, const T* x, i64 N, const double* s, i64 K, i64 TM, i64 k0, i64 k1,
+                      const double* sc, double* out) {
+    if (pre && absb) thin_tiles<NV, true, true>(x, N, s, K, TM, k0, k1, sc, out);
+    else if (pre) thin_tiles<NV, false, true>(x, N, s, K, TM, k0, k1, sc, out);
+    else if (absb) thin_tiles<NV, true, false>(x, N, s, K, TM, k0, k1, sc, out);
+    else thin_tiles<NV, false, false>(x, N, s, K, TM, k0, k1, sc, out);
 }
 
 // The thin product out (TM, N) = s (TM, K) @ (|b| if absb else b) (K, N), each column times
@@ -922,14 +931,19 @@ static void thin_t(const T* b, i64 K, i64 N, i64 sk, i64 sn, const double* s, i6
                 for (i64 p = 0; p < TM; p++) std::fill(out + p * N + j0, out + p * N + j0 + w, 0.0);
                 for (i64 k0 = 0; k0 < K; k0 += KT) {
                     const i64 k1 = std::min(K, k0 + KT);
-                    for (i64 j = 0; j < w8; j += 8) {
+                    // columns in groups of 8 (four rows of s or more), 16 (two or three) or 32
+                    // (one): eight or more chains of multiply-adds a tile
+                    const i64 cw = TM >= 4 ? 8 : TM >= 2 ? 16 : 32;
+                    i64 j = 0;
+                    for (; j + cw <= w8; j += cw) {
                         const T* x = b + j0 + j;
                         double *o = out + j0 + j, *c = sc.data() + j;
-                        if (pre && absb) thin_tiles<true, true>(x, N, s, K, TM, k0, k1, c, o);
-                        else if (pre) thin_tiles<false, true>(x, N, s, K, TM, k0, k1, c, o);
-                        else if (absb) thin_tiles<true, false>(x, N, s, K, TM, k0, k1, c, o);
-                        else thin_tiles<false, false>(x, N, s, K, TM, k0, k1, c, o);
+                        if (cw == 32) thin_cols<8>(absb, pre, x, N, s, K, TM, k0, k1, c, o);
+                        else if (cw == 16) thin_cols<4>(absb, pre, x, N, s, K, TM, k0, k1, c, o);
+                        else thin_cols<2>(absb, pre, x, N, s, K, TM, k0, k1, c, o);
                     }
+                    for (; j < w8; j += 8)
+                        thin_cols<2>(absb, pre, b + j0 + j, N, s, K, TM, k0, k1, sc.data() + j, out + j0 + j);
                     for (i64 j = w8; j < w; j++)          // the last (up to seven) columns
                         for (i64 p = 0; p < TM; p++) {
                             double a = 0.0;
