@@ -33,12 +33,21 @@ __all__ = ["check", "check_torch", "weight_stats", "units_for"]
 F64 = torch.float64
 
 
+_UNITS = {}
+
+
 def units_for(c):
     """Round-off units of a product torch computed as ``c``: the stored output checked in float64;
     fp32 GEMMs may use tf32 (CUDA: ``allow_tf32``; CPU: a float32 matmul precision below
-    "highest"); bf16 GEMMs on CPUs flush subnormal inputs and products to zero."""
+    "highest"); bf16 GEMMs on CPUs flush subnormal inputs and products to zero. Kept per
+    (dtype, device type, tf32): every checked call asks."""
+    dev = c.device.type
     tf32 = c.dtype == torch.float32 and backends.tf32_allowed(c.device)
-    return T.units(c.dtype, tf32=tf32, flush=c.device.type == "cpu" and c.dtype == torch.bfloat16)
+    key = (c.dtype, dev, tf32)
+    u = _UNITS.get(key)
+    if u is None:
+        u = _UNITS[key] = T.units(c.dtype, tf32=tf32, flush=dev == "cpu" and c.dtype == torch.bfloat16)
+    return u
 
 
 def weight_stats(b, bn):

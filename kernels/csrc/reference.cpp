@@ -1335,8 +1335,8 @@ static void check_t(CheckArgs g) {
     double *predc = grown(bufs.predc, g.nbc * TM * N), *tcol = grown(bufs.tcol, g.cap ? g.nbc * TM * N : 0),
            *trow = grown(bufs.trow, g.cap ? g.nbc * M * TN : 0), *colz = grown(bufs.colz, g.nbc * TM * N * nz),
            *rowz = grown(bufs.rowz, g.nbc * M * TN * nz);
-    uint8_t* anynf = grown(bufs.anynf, g.nbc * TM);
-    std::fill(anynf, anynf + g.nbc * TM, 0);
+    uint8_t* anynf = grown(bufs.anynf, g.nbc * TM * TN);
+    std::fill(anynf, anynf + g.nbc * TM * TN, 0);
     // the thin products: across batches when there are several, else within the one
     // (no nested parallel regions: libgomp would start a fresh team of threads for each)
     auto thin_products = [&](i64 b, int nt) {
@@ -1384,24 +1384,26 @@ static void check_t(CheckArgs g) {
     // block of columns. A tile row whose sums are finite takes the vectorised path; one with a
     // non-finite element (or an overflowing square) is summed again element by element,
     // non-finite values counted, not added.
-    const i64 jobs = g.nbc * TM;
+    const i64 jobs = g.nbc * TM, tiles = jobs * TN;
     const bool pf = g.scn == 1 && g.nbc * M * N * (i64)sizeof(T) >= PF_BYTES;
     // one tile's column accumulators, one array per sum (C's five, then the addend's five)
     // (C's and the addend's values of the last four rows: a clean row's column sums wait for
     // three more clean rows, and the four are added in one pass over the accumulators)
     struct CBufs { std::vector<double> cz, scol, segs, zcs, zr; };
-    parallel_for(threads_for(g.nt, (double)g.nbc * M * N), jobs,
+    // (tile by tile: a product of one or two rows of tiles still spreads over the threads)
+    parallel_for(threads_for(g.nt, (double)g.nbc * M * N), tiles,
                  [&] { return CBufs{std::vector<double>(bn * nz), std::vector<double>(bn),
                                     std::vector<double>(8 * bn), std::vector<double>(8 * bn),
                                     std::vector<double>(bn)}; },
-                 [&](i64 job, CBufs& cb) {
+                 [&](i64 tile, CBufs& cb) {
             std::vector<double>&cz = cb.cz, &scol = cb.scol, &segs = cb.segs, &zcs = cb.zcs, &zr = cb.zr;
+            const i64 job = tile / TN, q = tile % TN;
             i64 b = job / TM, p = job % TM, bb = g.ib[b];
             const T* c = (const T*)g.c + g.offc[b];
             const double* d = has_d ? g.d + g.offd[b] : nullptr;
             const double *eA = g.A.e + b * M, *EA = g.A.E + b * TM, *fB = g.B.e + bb * N, *FB = g.B.E + bb * TN;
             const i64 i0 = p * bm, i1 = std::min(M, i0 + bm);
-            for (i64 q = 0; q < TN; q++) {
+            {
                 const i64 j0 = q * bn, w = std::min(N, j0 + bn) - j0;
                 std::fill(cz.begin(), cz.end(), 0.0);
                 for (i64 j = 0; j < w; j++) scol[j] = pow2(-(EA[p] + fB[j0 + j]));
@@ -1472,7 +1474,7 @@ static void check_t(CheckArgs g) {
                                 c1[j] += a.s1; c2[j] += a.s2; ca[j] += a.sa; cn[j] += a.nf; cs[j] += a.ns;
                             }
                             s1 = r.s1; s2 = r.s2; sa = r.sa; nf = r.nf; ns = r.ns;
-                            if (nf > 0 && src == 0) anynf[job] = 1;
+                            if (nf > 0 && src == 0) anynf[tile] = 1;
                         }
                         double f = pre ? 1.0 : sr;
                         double* z = &rowz[((b * M + i) * TN + q) * nz + src * 5];
@@ -1512,7 +1514,7 @@ static void check_t(CheckArgs g) {
         for (i64 q = 0; q < TN; q++)
             for (i64 j = q * bn; j < std::min(N, (q + 1) * bn); j++) blowq[bb * TN + q] |= g.B.low[bb * N + j];
     bool any_nf = false;
-    for (i64 j = 0; j < g.nbc * TM; j++) any_nf |= anynf[j] != 0;
+    for (i64 j = 0; j < tiles; j++) any_nf |= anynf[j] != 0;
     const bool half = g.tiny > 0;
     // residuals and thresholds of n <= 4 sums of one side (the lanes beyond n repeat the last,
     // not stored): the sums at o[l] (their output sums in zs, predictions, bounds and results
