@@ -21,6 +21,7 @@ import torch.autograd.forward_ad as fwAD
 from abft import carry, coverage, decompose, dtensor, ops, weightcache
 from abft.decompose import rows2d
 from abft.kernels import backends
+from abft.kernels import reference
 from abft.kernels.reference import weight_stats
 
 
@@ -133,9 +134,23 @@ def _gik_backward(ctx, gg):
 _rule(grad_input_kept, _gik_backward, _gik_setup)
 
 
+def _summaries(wkey):
+    """``_weight_summary`` for the parameter ``wkey``, which on the reference backend, for a
+    weight that requires grad, also keeps ``_grad_input_summary`` of it for the backward: both
+    sides in one call, from the weight the forward read."""
+    def make(w, key):
+        if not isinstance(key, int) or not w.requires_grad:
+            return _weight_summary(w, key)
+        bn_t = ops.reference_tiles(1, w.shape[-1])[1]
+        fwd, grad_input = reference.weight_stats_pair(w, key, bn_t)
+        weightcache.keep(w, wkey, "grad_input", bn_t, grad_input)
+        return fwd
+    return make
+
+
 @custom_op("abft::linear", mutates_args=())
 def linear_op(x: Tensor, w: Tensor, b: Optional[Tensor], module: str, wkey: int) -> Tensor:
-    stats = weightcache.getter(w, wkey, _weight_summary) if wkey else None
+    stats = weightcache.getter(w, wkey, _summaries(wkey)) if wkey else None
     return ops.linear(x, w, b, module=module or None, weight_stats=stats)
 
 

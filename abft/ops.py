@@ -98,11 +98,16 @@ def _verify_reference(pb, ctx, s):
     return _check(pb, ctx, s)
 
 
+def reference_tiles(m, n, s=None):
+    """(bm, bn) of the reference check of an (m, n) product under the settings ``s`` (the
+    current ones by default): the configured tiles, else the backend's, clipped to the product."""
+    bm, bn = (s or _config.get()).tiles or backends.REFERENCE_TILES
+    return max(1, min(bm, m)), max(1, min(bn, n))
+
+
 def _check(pb, ctx, s):
     """The reference check of pb.c (a pending verdict)."""
-    bm, bn = s.tiles or backends.REFERENCE_TILES
-    m, n = pb.c.shape[-2], pb.c.shape[-1]
-    bm, bn = max(1, min(bm, m)), max(1, min(bn, n))
+    bm, bn = reference_tiles(pb.c.shape[-2], pb.c.shape[-1], s)
     verdict, detail, summary = reference.check(
         pb.a, pb.b, pb.c, bm=bm, bn=bn, units=reference.units_for(pb.c), alpha=pb.alpha, addend=pb.addend,
         beta=pb.beta, lam=s.lam, b_stats=None if pb.b_stats is None else pb.b_stats(bn), summary=True)

@@ -3,10 +3,12 @@
 The row check of Y = X W^T (+ b) needs statistics of W (``reference.weight_stats``: block sums,
 norms, exponents; on the fused kernel its pre-pass), and the row check of the backward's
 G W (grad_input) its own, of W's other side. For a protected module each is computed at its
-first use after the weight parameter changed (the forward's at the first forward, grad_input's
-at the first backward) and reused until it changes again: optimizer steps bump the parameter's version counter. That
-saves a pass over W per call, and makes a change of W at rest (a bit flip written behind
-autograd's back, which leaves the version alone) show as failing row sums.
+first use after the weight parameter changed (the forward's at the first forward; grad_input's
+with them, in the same call, on the reference backend where the weight requires grad, else at
+the first backward) and reused until it changes again: optimizer steps bump the parameter's
+version counter. That saves a pass over W per call, and makes a change of W at rest (a bit
+flip written behind autograd's back, which leaves the version alone) show as failing row sums,
+between a forward and its backward too.
 
 The key is the source parameter itself (a weak reference, checked for identity), its version, the
 dtype the product sees (autocast computes with a fresh low-precision copy of the weight, version 0,
@@ -51,6 +53,17 @@ def _drop(ids):
     """Drop the kept statistics of the parameters ``ids`` (under the lock)."""
     for c in [c for c in _cache if c[0] in ids]:
         del _cache[c]
+
+
+def keep(w, k, side, bn, stats):
+    """Keep ``stats`` of ``w`` (the parameter ``k`` or a cast copy of it, as ``getter`` takes it)
+    for the product ``side`` at the parameter's current version: statistics made along with
+    another side's."""
+    with _lock:
+        ref = _sources.get(k)
+        src = ref() if ref is not None else None
+        if src is not None:
+            _cache[(k, side)] = (ref, src._version, w.dtype, w.device, bn, stats)
 
 
 def getter(w, k, make, side="forward"):

@@ -102,6 +102,8 @@ def _build():
     P = ctypes.c_void_p
     lib.abft_stats.argtypes = [P, P]
     lib.abft_stats.restype = ctypes.c_int
+    lib.abft_stats2.argtypes = [P, P, P, P]
+    lib.abft_stats2.restype = ctypes.c_int
     lib.abft_check.argtypes = [P, P, P, P]
     lib.abft_check.restype = ctypes.c_int
     return lib
@@ -181,9 +183,8 @@ def _addresses(ts):
     return [0 if t is None else t.data_ptr() for t in ts]
 
 
-def stats(x, bs, *, need_abs):
-    """``stats.operand_stats(x, bs, need_s=True, need_abs=need_abs)``, compiled: the statistics of
-    a B kept between calls (``reference.weight_stats``); a check computes its own inside its call."""
+def _stats_call(x, bs, need_abs):
+    """(dims, ptrs, the OperandStats the library fills) of ``stats``' arguments."""
     *batch, r, k = x.shape
     batch = tuple(batch)
     t = -(-r // bs)
@@ -198,11 +199,29 @@ def stats(x, bs, *, need_abs):
                              n_places, int(need_abs), torch.get_num_threads()))
     ptrs = array.array("Q", _addresses((x, _offsets(x, batch), places, e, r1, rinf, finite, low, E, x1,
                                         xinf, xs1, xsinf, nu, s, absum)))
+    out = OperandStats(bs=bs, e=e, r1=r1, rinf=rinf, finite=finite, low=low, E=E, x1=x1, xinf=xinf,
+                       xs1=xs1, xsinf=xsinf, nu=nu, s=s, absum=absum)
+    return dims, ptrs, out
+
+
+def stats(x, bs, *, need_abs):
+    """``stats.operand_stats(x, bs, need_s=True, need_abs=need_abs)``, compiled: the statistics of
+    a B kept between calls (``reference.weight_stats``); a check computes its own inside its call."""
+    dims, ptrs, out = _stats_call(x, bs, need_abs)
     err = _lib.abft_stats(dims.buffer_info()[0], ptrs.buffer_info()[0])
     if err:
         raise RuntimeError(f"abft_stats failed ({err})")
-    return OperandStats(bs=bs, e=e, r1=r1, rinf=rinf, finite=finite, low=low, E=E, x1=x1, xinf=xinf,
-                        xs1=xs1, xsinf=xsinf, nu=nu, s=s, absum=absum)
+    return out
+
+
+def stats_pair(x, bs, need_abs, y, bs_y, need_abs_y):
+    """``stats`` of ``x`` and of ``y`` (one dtype: a weight's two sides) in one call, the blocks
+    of both spread over the threads together: each the same as ``stats`` gives."""
+    (dx, px, ox), (dy, py, oy) = _stats_call(x, bs, need_abs), _stats_call(y, bs_y, need_abs_y)
+    err = _lib.abft_stats2(dx.buffer_info()[0], px.buffer_info()[0], dy.buffer_info()[0], py.buffer_info()[0])
+    if err:
+        raise RuntimeError(f"abft_stats2 failed ({err})")
+    return ox, oy
 
 
 _coef_cache = {}

@@ -28,7 +28,7 @@ from abft.kernels import layout as L
 from abft.kernels import threshold as T
 from abft.kernels.stats import _CHUNK, _pad_blocks, _rows_per_chunk, _sum_blocks, operand_stats
 
-__all__ = ["check", "check_torch", "weight_stats", "units_for"]
+__all__ = ["check", "check_torch", "weight_stats", "weight_stats_pair", "units_for"]
 
 F64 = torch.float64
 
@@ -57,6 +57,16 @@ def weight_stats(b, bn):
     if compiled.usable(b, b, b, None):
         return compiled.stats(b.mT, bn, need_abs=k <= T.SMALL_K)
     return operand_stats(b.mT, bn, need_s=True, need_abs=k <= T.SMALL_K)
+
+
+def weight_stats_pair(w, bn, bn_t):
+    """``(weight_stats(w.t(), bn), weight_stats(w, bn_t))``: the statistics of a linear's weight
+    (out, in) for its forward (x @ w.T) and for its grad_input (g @ w), in one call where the
+    compiled check runs (both sides' blocks on the threads together)."""
+    out, inp = w.shape[-2], w.shape[-1]
+    if compiled.usable(w, w, w, None):
+        return compiled.stats_pair(w, bn, inp <= T.SMALL_K, w.mT, bn_t, out <= T.SMALL_K)
+    return weight_stats(w.t(), bn), weight_stats(w, bn_t)
 
 
 def _pred_col(s, b, f):

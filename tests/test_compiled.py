@@ -224,6 +224,32 @@ def test_a_batch_checked_matrix_by_matrix_gives_one_threads_bits(dtype):
     assert alarms == [2, 0, 0, 0]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_a_weights_two_sides_in_one_call_are_each_sides_own(dtype):
+    """``stats_pair`` (a linear's weight for its forward and for its grad_input, both sides' blocks
+    on the threads together) gives each side's statistics bit for bit as ``stats`` does alone:
+    one block a side and several, K below and above the small-K cap, low-entropy rows."""
+    import dataclasses
+    g = torch.Generator().manual_seed(13)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for out, inp, bn, bn_t in ((48, 40, 16, 8), (40, 300, 16, 64), (70, 33, 32, 32), (8, 64, 8, 64)):
+            w = torch.randn(out, inp, generator=g).to(dtype)
+            w[3] = 1.0                                     # a constant row, a low-entropy one
+            got = compiled.stats_pair(w, bn, inp <= T.SMALL_K, w.mT, bn_t, out <= T.SMALL_K)
+            want = (compiled.stats(w, bn, need_abs=inp <= T.SMALL_K),
+                    compiled.stats(w.mT, bn_t, need_abs=out <= T.SMALL_K))
+            for x, y in zip(got, want):
+                for f in dataclasses.fields(x):
+                    u, v = getattr(x, f.name), getattr(y, f.name)
+                    assert (bits_equal(u.double(), v.double()) if isinstance(u, torch.Tensor) else u == v), \
+                        (out, inp, f.name)
+            assert want[0].low[3] and got[0].low[3]
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_kept_weight_statistics_give_the_oracles_verdicts():
     """b_stats from ``weight_stats`` (compiled) and from the torch statistics serve either check."""
     from abft.kernels.stats import operand_stats

@@ -843,22 +843,76 @@ static void stats_t(const void* xv, i64 nb, const i64* offs, i64 R, i64 K, i64 s
         default: return 1;                                          \
     }
 
+// One operand's statistics as abft_stats is asked for them.
 // dims: dtype, batches, R, K, strides of x (r, k), bs, number of sampled places, need_abs, threads.
 // ptrs: x, the batches' offsets, the places, then the outputs e, r1, rinf, finite, low, E, x1, xinf,
 // xs1, xsinf, nu, s, absum (null where not need_abs). One array each (ctypes converts each
 // argument of a call: thirty of them cost more than the Python around the call).
-extern "C" int abft_stats(const i64* dims, const void* const* ptrs) {
-    const int dt = (int)dims[0];
-    const i64 nb = dims[1], R = dims[2], K = dims[3], sr = dims[4], sk = dims[5], bs = dims[6], np = dims[7];
-    const bool need_abs = dims[8] != 0;
-    const int nt = (int)dims[9];
-    if (np > 64) return 2;
+struct StatsArgs {
+    int dt, nt;
+    i64 nb, R, K, sr, sk, bs, np;
+    bool need_abs;
+    const void* x;
+    const i64 *offs, *places;
+    StatsOut o;
+};
+
+static StatsArgs stats_args(const i64* dims, const void* const* ptrs) {
     auto d = [&](int i) { return (double*)ptrs[i]; };
-    StatsOut o{d(3), d(4), d(5), d(8), d(9), d(10), d(11), d(12), d(13), d(14), d(15), nullptr,
-               (uint8_t*)ptrs[6], (uint8_t*)ptrs[7]};
-    const bool pre = dt == DT_F64;
-    DISPATCH(dt, stats_t, ptrs[0], nb, (const i64*)ptrs[1], R, K, sr, sk, bs, (const i64*)ptrs[2], np,
-             nullptr, nullptr, 0, need_abs, true, pre, nt, o);
+    return StatsArgs{(int)dims[0], (int)dims[9], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], dims[7],
+                     dims[8] != 0, ptrs[0], (const i64*)ptrs[1], (const i64*)ptrs[2],
+                     StatsOut{d(3), d(4), d(5), d(8), d(9), d(10), d(11), d(12), d(13), d(14), d(15), nullptr,
+                              (uint8_t*)ptrs[6], (uint8_t*)ptrs[7]}};
+}
+
+// The statistics of n operands of one dtype (a weight's two sides), all their blocks spread over
+// the threads together: each block on one thread, computed as stats_t computes it (the same bits),
+// so that an operand of one block does not leave the other threads idle.
+template <typename T>
+static void stats_sides(const StatsArgs* sd, int n, int nt) {
+    std::vector<i64> first(n + 1, 0);
+    i64 K = 0, wbuf = 0, rows = 0;
+    double work = 0;
+    for (int i = 0; i < n; i++) {
+        const StatsArgs& a = sd[i];
+        first[i + 1] = first[i] + a.nb * ((a.R + a.bs - 1) / a.bs);
+        const bool rowmajor = !(a.sr == 1 && a.sk != 1 && a.R > 1);
+        K = std::max(K, a.K);
+        wbuf = std::max(wbuf, rowmajor ? 2 * a.K : std::max(a.K, a.bs));
+        rows = std::max(rows, std::min(a.bs, a.R));
+        work += (double)a.nb * a.R * a.K;
+    }
+    struct Bufs { std::vector<double> bsum, bsq, babs, buf, rowv; };
+    parallel_for(threads_for(nt, work), first[n],
+                 [&] { return Bufs{std::vector<double>(K + 1), std::vector<double>(K + 1),
+                                   std::vector<double>(K + 1), std::vector<double>(wbuf + 1),
+                                   std::vector<double>(5 * rows + 1)}; },
+                 [&](i64 job, Bufs& w) {
+            int i = 0;
+            while (job >= first[i + 1]) i++;
+            const StatsArgs& a = sd[i];
+            const i64 tb = (a.R + a.bs - 1) / a.bs, b = (job - first[i]) / tb, p = (job - first[i]) % tb;
+            stats_block<T>((const T*)a.x + a.offs[b], a.R, a.K, a.sr, a.sk, a.bs, p, a.places, a.np, nullptr,
+                           nullptr, 0, a.need_abs, true, a.dt == DT_F64, a.o, b * a.R, b * tb, w.bsum.data(),
+                           w.bsq.data(), w.babs.data(), w.buf.data(), nullptr, nullptr, w.rowv.data());
+        }, true);
+}
+
+extern "C" int abft_stats(const i64* dims, const void* const* ptrs) {
+    const StatsArgs a = stats_args(dims, ptrs);
+    if (a.np > 64) return 2;
+    DISPATCH(a.dt, stats_sides, &a, 1, a.nt);
+    return 0;
+}
+
+// The statistics of two operands of one dtype in one call (a weight's both sides: W for x W^T,
+// W^T for g W), each as abft_stats computes it; the first's threads.
+extern "C" int abft_stats2(const i64* dims0, const void* const* ptrs0, const i64* dims1,
+                           const void* const* ptrs1) {
+    const StatsArgs a[2] = {stats_args(dims0, ptrs0), stats_args(dims1, ptrs1)};
+    if (a[0].np > 64 || a[1].np > 64) return 2;
+    if (a[0].dt != a[1].dt) return 3;
+    DISPATCH(a[0].dt, stats_sides, a, 2, a[0].nt);
     return 0;
 }
 
