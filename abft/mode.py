@@ -16,6 +16,7 @@ abft's own ops compute them. einsum is checked in the forward only (torch comput
 """
 import math
 import threading
+from types import FunctionType
 
 import torch
 import torch.nn.functional as F
@@ -263,6 +264,10 @@ class checked(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
+        if func not in _OWN and not isinstance(func, FunctionType):
+            # most calls: torch's own compiled functions, methods and attributes, which abft
+            # leaves alone and which call no torch function back (so no pass-through mark)
+            return func(*args, **kwargs)
         if _state("passing"):
             # an inner abft block handles this call: what it runs (torch's own call, abft's
             # check) is its own, so an outer block (protect's ``within`` under ``checked``)
@@ -429,3 +434,7 @@ _PRODUCTS = {
     torch.baddbmm: _baddbmm, torch.Tensor.baddbmm: _baddbmm,
     F.linear: _linear,
 }
+
+# every function the mode does something with (the rest pass straight through)
+_OWN = frozenset(_PRODUCTS) | frozenset(_UNPROTECTED) | {torch.einsum, F.scaled_dot_product_attention,
+                                                         F.multi_head_attention_forward}
