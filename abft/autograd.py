@@ -10,6 +10,7 @@ torch's own (derivatives.yaml, and matmul's folding into mm for (..., K) @ (K, N
 are bit-identical to torch's. Torch-function modes are off inside autograd's backward: the
 backward products are checked because these ops call the checked path themselves.
 """
+import threading
 from typing import Optional
 
 import torch
@@ -26,6 +27,7 @@ from abft.kernels.reference import weight_stats
 
 
 _RULES = {}
+_local = threading.local()       # recording: the op runs under its eager autograd Function
 
 
 def _rule(op_def, backward, setup):
@@ -134,12 +136,12 @@ def _gik_backward(ctx, gg):
 _rule(grad_input_kept, _gik_backward, _gik_setup)
 
 
-def _summaries(wkey):
-    """``_weight_summary`` for the parameter ``wkey``, which on the reference backend, for a
-    weight that requires grad, also keeps ``_grad_input_summary`` of it for the backward: both
-    sides in one call, from the weight the forward read."""
+def _summaries(wkey, pair):
+    """``_weight_summary`` for the parameter ``wkey``; with ``pair`` (the backward will need the
+    input's gradient) and on the reference backend, also ``_grad_input_summary`` of it, kept for
+    that backward: both sides in one call, from the weight the forward read."""
     def make(w, key):
-        if not isinstance(key, int) or not w.requires_grad:
+        if not pair or not isinstance(key, int):
             return _weight_summary(w, key)
         bn_t = ops.reference_tiles(1, w.shape[-1])[1]
         fwd, grad_input = reference.weight_stats_pair(w, key, bn_t)
@@ -150,7 +152,8 @@ def _summaries(wkey):
 
 @custom_op("abft::linear", mutates_args=())
 def linear_op(x: Tensor, w: Tensor, b: Optional[Tensor], module: str, wkey: int) -> Tensor:
-    stats = weightcache.getter(w, wkey, _summaries(wkey)) if wkey else None
+    pair = x.requires_grad and getattr(_local, "recording", False)
+    stats = weightcache.getter(w, wkey, _summaries(wkey, pair)) if wkey else None
     return ops.linear(x, w, b, module=module or None, weight_stats=stats)
 
 
@@ -469,7 +472,11 @@ def _dispatch(fn, tensors, *rest):
     if how == "direct":
         return impl(*tensors, *rest)
     if how == "function":
-        return _FUNCTIONS[fn].apply(*tensors, *rest)
+        before, _local.recording = getattr(_local, "recording", False), True   # (linear_op reads it)
+        try:
+            return _FUNCTIONS[fn].apply(*tensors, *rest)
+        finally:
+            _local.recording = before
     return dtensor.located(fn, *tensors, *rest)
 
 

@@ -4,8 +4,8 @@ The row check of Y = X W^T (+ b) needs statistics of W (``reference.weight_stats
 norms, exponents; on the fused kernel its pre-pass), and the row check of the backward's
 G W (grad_input) its own, of W's other side. For a protected module each is computed at its
 first use after the weight parameter changed (the forward's at the first forward; grad_input's
-with them, in the same call, on the reference backend where the weight requires grad, else at
-the first backward) and reused until it changes again: optimizer steps bump the parameter's
+with them, in the same call, on the reference backend where that forward records its input's
+gradient, else at the first backward) and reused until it changes again: optimizer steps bump the parameter's
 version counter. That saves a pass over W per call, and makes a change of W at rest (a bit
 flip written behind autograd's back, which leaves the version alone) show as failing row sums,
 between a forward and its backward too.

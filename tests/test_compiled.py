@@ -3,6 +3,7 @@
 data; every threshold coefficient wired (a mutated one shows); the fallback when it cannot build."""
 import dataclasses
 import pathlib
+import platform
 import sys
 
 import pytest
@@ -186,6 +187,28 @@ def test_low_entropy_rows_are_the_oracles(dtype):
             want = operand_stats(op, 4, need_s=True).low
             got = compiled.stats(op, 4, need_abs=False).low
             assert torch.equal(got, want), (k, op.stride(), got.tolist(), want.tolist())
+
+
+@pytest.mark.skipif(platform.machine() not in ("x86_64", "AMD64"), reason="FE_DOWNWARD's value is x86's")
+def test_low_entropy_rows_are_the_oracles_when_rounding_downward():
+    """A row sampled at three places as {+0, -0, x} is low-entropy (+0 == -0). Made +0 by adding
+    0, -0 stays -0 under round-downward and the two zeros looked distinct to the compiled check's
+    fast path (found by a review; the check was then stricter than the oracle)."""
+    import ctypes
+    from abft.kernels.stats import operand_stats
+    libm = ctypes.CDLL("libm.so.6")
+    x = torch.tensor([[0.0, -0.0, 1.5], [-0.0, 2.0, 0.0], [1.0, 2.0, 3.0]])
+    want = operand_stats(x, 4, need_s=True).low
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)                # the rounding mode is the calling thread's
+    mode = libm.fegetround()
+    try:
+        assert libm.fesetround(0x400) == 0  # FE_DOWNWARD
+        got = compiled.stats(x, 4, need_abs=False).low
+    finally:
+        libm.fesetround(mode)
+        torch.set_num_threads(threads)
+    assert want.tolist() == [True, True, False] and torch.equal(got, want), got
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])

@@ -160,6 +160,30 @@ def test_a_flip_between_a_new_weights_first_forward_and_its_backward_is_caught()
     assert {r for a in alarms for r in a.rows} and not {c for a in alarms for c in a.cols}
 
 
+def test_grad_inputs_statistics_are_made_with_the_forwards_only_where_the_backward_needs_them(monkeypatch):
+    """The pair (forward's and grad_input's weight statistics in one call) only where the forward
+    records a gradient for its input: not for a first layer on data that needs no gradient, not
+    under no_grad (a review found both making grad_input's statistics each step for nothing)."""
+    from abft.kernels import reference
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 24), nn.ReLU(), nn.Linear(24, 8))
+    abft.protect(model)
+    paired, pair = [], reference.weight_stats_pair
+    monkeypatch.setattr(reference, "weight_stats_pair",
+                        lambda w, bn, bn_t: paired.append(tuple(w.shape)) or pair(w, bn, bn_t))
+    x = torch.randn(32, 16)                             # data: no gradient wanted
+    model(x).square().sum().backward()
+    assert paired == [(8, 24)]                          # the second layer only
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    opt.step()                                          # a new version of both weights
+    with torch.no_grad():
+        model(x)                                        # (its forward statistics are kept)
+    assert paired == [(8, 24)]
+    opt.step()
+    model(x.requires_grad_()).square().sum().backward()
+    assert sorted(paired[1:]) == [(8, 24), (24, 16)] and abft.flush() == []
+
+
 def test_no_grad_inference_and_gradient_accumulation():
     torch.manual_seed(0)
     plain = GPT(CFG)

@@ -99,6 +99,9 @@ static int threads_for(int nt, double work) { return work < 3e4 ? 1 : nt; }
 #define ABFT_PROFILE_EVERY 1000
 #endif
 static void prof(const char* name) {
+#ifdef _OPENMP
+    if (omp_in_parallel()) return;     // stages inside a batch's region (check_batches): not timed
+#endif
     static double last = 0, sums[16] = {0};
     static const char* names[16];
     static int stage = 0, calls = 0;
@@ -345,11 +348,12 @@ static const struct Inv {
 
 #if defined(__AVX512F__) && defined(__AVX512CD__)
 // Whether two of the first np (<= 16) of sixteen floats may be equal: vpconflictd marks each lane
-// whose bits equal an earlier lane's, after -0 + 0 made every zero +0 (distinct bits are then
-// distinct values). A NaN equals nothing but its bits may repeat: then a "maybe", which the
-// caller counts exactly.
+// whose bits equal an earlier lane's, after every value equal to zero became +0 (a compare, not
+// -0 + 0, which is -0 when rounding downward; distinct bits are then distinct values). A NaN
+// equals nothing but its bits may repeat: then a "maybe", which the caller counts exactly.
 static inline bool may_repeat16(const float* v, i64 np) {
-    const __m512 x = _mm512_add_ps(_mm512_load_ps(v), _mm512_setzero_ps());
+    const __m512 z = _mm512_setzero_ps(), x0 = _mm512_load_ps(v);
+    const __m512 x = _mm512_mask_mov_ps(x0, _mm512_cmp_ps_mask(x0, z, _CMP_EQ_OQ), z);
     const __m512i hits = _mm512_conflict_epi32(_mm512_castps_si512(x));
     const __mmask16 valid = (__mmask16)((1u << np) - 1);
     return _mm512_mask_test_epi32_mask(valid, hits, _mm512_set1_epi32((int)valid)) != 0;
@@ -1769,7 +1773,7 @@ static void check_t(CheckArgs g) {
 // (every stage's job is one block of one matrix).
 static bool by_matrix(const CheckArgs& g) {
     return g.nt > 1 && g.nbc >= 2 * g.nt && g.nbb == g.nbc && g.B.e == nullptr &&
-           footprint(g) / g.nbc <= REUSE_DOUBLES;
+           footprint(g) / g.nbc <= REUSE_DOUBLES && threads_for(g.nt, (double)g.nbc * g.M * g.N * g.K) > 1;
 }
 
 template <typename T>
