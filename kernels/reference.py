@@ -50,22 +50,27 @@ def units_for(c):
     return u
 
 
+def _columns(b):
+    """(B's columns as rows, whether ``check`` needs their |B| sums: K within the small-K cap)."""
+    return b.mT, b.shape[-2] <= T.SMALL_K
+
+
 def weight_stats(b, bn):
     """Statistics of the columns of B (K, N) for blocks of ``bn`` columns: what ``check`` needs of
     a B that does not change between calls (a weight), to pass back as ``b_stats``."""
-    k = b.shape[-2]
+    x, need_abs = _columns(b)
     if compiled.usable(b, b, b, None):
-        return compiled.stats(b.mT, bn, need_abs=k <= T.SMALL_K)
-    return operand_stats(b.mT, bn, need_s=True, need_abs=k <= T.SMALL_K)
+        return compiled.stats(x, bn, need_abs=need_abs)
+    return operand_stats(x, bn, need_s=True, need_abs=need_abs)
 
 
 def weight_stats_pair(w, bn, bn_t):
     """``(weight_stats(w.t(), bn), weight_stats(w, bn_t))``: the statistics of a linear's weight
     (out, in) for its forward (x @ w.T) and for its grad_input (g @ w), in one call where the
     compiled check runs (both sides' blocks on the threads together)."""
-    out, inp = w.shape[-2], w.shape[-1]
     if compiled.usable(w, w, w, None):
-        return compiled.stats_pair(w, bn, inp <= T.SMALL_K, w.mT, bn_t, out <= T.SMALL_K)
+        (x, need_abs), (y, need_abs_t) = _columns(w.t()), _columns(w)
+        return compiled.stats_pair(x, bn, need_abs, y, bn_t, need_abs_t)
     return weight_stats(w.t(), bn), weight_stats(w, bn_t)
 
 

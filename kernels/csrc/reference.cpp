@@ -803,38 +803,71 @@ static void parallel_for(int th, i64 n, Init init, Body body, bool dynamic = fal
     }
 }
 
+// One operand's statistics job: its blocks' rows (columns of B, rows of A), and for A the
+// right-hand side of the row predictions (rhs: S rows of K per batch of B, rhs_idx the batch of B
+// of each batch).
+struct StatsArgs {
+    const void* x;
+    i64 nb;
+    const i64* offs;
+    i64 R, K, sr, sk, bs;
+    const i64* places;
+    i64 np;
+    const double* rhs;
+    const i64* rhs_idx;
+    i64 S;
+    bool need_abs, need_low, pre;
+    StatsOut o;
+};
+
+// The statistics of n operands of one dtype (one, or a weight's two sides), all their blocks
+// spread over the threads together, each block on one thread (an operand of one block then does
+// not leave the other threads idle; a block's results do not depend on the thread).
 template <typename T>
-static void stats_t(const void* xv, i64 nb, const i64* offs, i64 R, i64 K, i64 sr, i64 sk, i64 bs,
-                    const i64* places, i64 np, const double* rhs, const i64* rhs_idx, i64 S,
-                    bool need_abs, bool need_low, bool pre, int nt, StatsOut o) {
-    const T* x = (const T*)xv;
-    i64 tb = (R + bs - 1) / bs, jobs = nb * tb;
-    bool rowmajor = !(sr == 1 && sk != 1 && R > 1);
-    i64 wbuf = rowmajor ? 2 * K : std::max(K, bs);
-    // the row predictions by rows_times where each row meets eight or more rhs rows (fewer: dots)
-    const bool tiles = rhs && S >= 8 && rowmajor && !pre && sk == 1;
-    const i64 S8 = (S + 7) / 8 * 8;
-    std::vector<double> rhsT;
-    i64 nrhs = 0;
-    if (tiles) {
-        for (i64 b = 0; b < nb; b++) nrhs = std::max(nrhs, rhs_idx[b] + 1);
-        rhsT.assign(nrhs * K * S8, 0.0);
-        for (i64 ib = 0; ib < nrhs; ib++) transposed8(rhs + ib * S * K, S, K, rhsT.data() + ib * K * S8);
+static void stats_sides(const StatsArgs* sd, int n, int nt) {
+    std::vector<i64> first(n + 1, 0);
+    std::vector<std::vector<double>> rhsT(n);   // rhs transposed, where rows_times takes the predictions
+    i64 K = 0, wbuf = 0, rows = 0, S8 = 0;
+    bool any_tiles = false;
+    double work = 0;
+    for (int i = 0; i < n; i++) {
+        const StatsArgs& a = sd[i];
+        first[i + 1] = first[i] + a.nb * ((a.R + a.bs - 1) / a.bs);
+        const bool rowmajor = !(a.sr == 1 && a.sk != 1 && a.R > 1);
+        K = std::max(K, a.K);
+        wbuf = std::max(wbuf, rowmajor ? 2 * a.K : std::max(a.K, a.bs));
+        rows = std::max(rows, std::min(a.bs, a.R));
+        work += (double)a.nb * a.R * a.K;
+        // the row predictions by rows_times where each row meets eight or more rhs rows (fewer: dots)
+        if (a.rhs && a.S >= 8 && rowmajor && !a.pre && a.sk == 1) {
+            const i64 s8 = (a.S + 7) / 8 * 8;
+            i64 nrhs = 0;
+            for (i64 b = 0; b < a.nb; b++) nrhs = std::max(nrhs, a.rhs_idx[b] + 1);
+            rhsT[i].assign(nrhs * a.K * s8, 0.0);
+            for (i64 ib = 0; ib < nrhs; ib++)
+                transposed8(a.rhs + ib * a.S * a.K, a.S, a.K, rhsT[i].data() + ib * a.K * s8);
+            any_tiles = true;
+            S8 = std::max(S8, s8);
+        }
     }
     struct Bufs { std::vector<double> bsum, bsq, babs, buf, xb, tg, rowv; };
-    parallel_for(threads_for(nt, (double)nb * R * K), jobs,
+    parallel_for(threads_for(nt, work), first[n],
                  [&] { return Bufs{std::vector<double>(K + 1), std::vector<double>(K + 1),
-                                   std::vector<double>(need_abs ? K + 1 : 1), std::vector<double>(wbuf + 1),
-                                   std::vector<double>(tiles ? ROWS_G * KC : 0),
-                                   std::vector<double>(tiles ? ROWS_G * S8 : 0),
-                                   std::vector<double>(5 * std::min(bs, R) + 1)}; },
+                                   std::vector<double>(K + 1), std::vector<double>(wbuf + 1),
+                                   std::vector<double>(any_tiles ? ROWS_G * KC : 0),
+                                   std::vector<double>(any_tiles ? ROWS_G * S8 : 0),
+                                   std::vector<double>(5 * rows + 1)}; },
                  [&](i64 job, Bufs& w) {
-            i64 b = job / tb, p = job % tb;
-            stats_block<T>(x + offs[b], R, K, sr, sk, bs, p, places, np,
-                           rhs ? rhs + rhs_idx[b] * S * K : nullptr,
-                           tiles ? rhsT.data() + rhs_idx[b] * K * S8 : nullptr, S, need_abs, need_low, pre,
-                           o, b * R, b * tb, w.bsum.data(), w.bsq.data(), w.babs.data(), w.buf.data(),
-                           w.xb.data(), w.tg.data(), w.rowv.data());
+            int i = 0;
+            while (job >= first[i + 1]) i++;
+            const StatsArgs& a = sd[i];
+            const i64 tb = (a.R + a.bs - 1) / a.bs, b = (job - first[i]) / tb, p = (job - first[i]) % tb;
+            const i64 s8 = (a.S + 7) / 8 * 8;
+            stats_block<T>((const T*)a.x + a.offs[b], a.R, a.K, a.sr, a.sk, a.bs, p, a.places, a.np,
+                           a.rhs ? a.rhs + a.rhs_idx[b] * a.S * a.K : nullptr,
+                           rhsT[i].empty() ? nullptr : rhsT[i].data() + a.rhs_idx[b] * a.K * s8, a.S,
+                           a.need_abs, a.need_low, a.pre, a.o, b * a.R, b * tb, w.bsum.data(), w.bsq.data(),
+                           w.babs.data(), w.buf.data(), w.xb.data(), w.tg.data(), w.rowv.data());
         }, true);
 }
 
@@ -852,60 +885,18 @@ static void stats_t(const void* xv, i64 nb, const i64* offs, i64 R, i64 K, i64 s
 // ptrs: x, the batches' offsets, the places, then the outputs e, r1, rinf, finite, low, E, x1, xinf,
 // xs1, xsinf, nu, s, absum (null where not need_abs). One array each (ctypes converts each
 // argument of a call: thirty of them cost more than the Python around the call).
-struct StatsArgs {
-    int dt, nt;
-    i64 nb, R, K, sr, sk, bs, np;
-    bool need_abs;
-    const void* x;
-    const i64 *offs, *places;
-    StatsOut o;
-};
-
 static StatsArgs stats_args(const i64* dims, const void* const* ptrs) {
     auto d = [&](int i) { return (double*)ptrs[i]; };
-    return StatsArgs{(int)dims[0], (int)dims[9], dims[1], dims[2], dims[3], dims[4], dims[5], dims[6], dims[7],
-                     dims[8] != 0, ptrs[0], (const i64*)ptrs[1], (const i64*)ptrs[2],
+    return StatsArgs{ptrs[0], dims[1], (const i64*)ptrs[1], dims[2], dims[3], dims[4], dims[5], dims[6],
+                     (const i64*)ptrs[2], dims[7], nullptr, nullptr, 0, dims[8] != 0, true, dims[0] == DT_F64,
                      StatsOut{d(3), d(4), d(5), d(8), d(9), d(10), d(11), d(12), d(13), d(14), d(15), nullptr,
                               (uint8_t*)ptrs[6], (uint8_t*)ptrs[7]}};
-}
-
-// The statistics of n operands of one dtype (a weight's two sides), all their blocks spread over
-// the threads together: each block on one thread, computed as stats_t computes it (the same bits),
-// so that an operand of one block does not leave the other threads idle.
-template <typename T>
-static void stats_sides(const StatsArgs* sd, int n, int nt) {
-    std::vector<i64> first(n + 1, 0);
-    i64 K = 0, wbuf = 0, rows = 0;
-    double work = 0;
-    for (int i = 0; i < n; i++) {
-        const StatsArgs& a = sd[i];
-        first[i + 1] = first[i] + a.nb * ((a.R + a.bs - 1) / a.bs);
-        const bool rowmajor = !(a.sr == 1 && a.sk != 1 && a.R > 1);
-        K = std::max(K, a.K);
-        wbuf = std::max(wbuf, rowmajor ? 2 * a.K : std::max(a.K, a.bs));
-        rows = std::max(rows, std::min(a.bs, a.R));
-        work += (double)a.nb * a.R * a.K;
-    }
-    struct Bufs { std::vector<double> bsum, bsq, babs, buf, rowv; };
-    parallel_for(threads_for(nt, work), first[n],
-                 [&] { return Bufs{std::vector<double>(K + 1), std::vector<double>(K + 1),
-                                   std::vector<double>(K + 1), std::vector<double>(wbuf + 1),
-                                   std::vector<double>(5 * rows + 1)}; },
-                 [&](i64 job, Bufs& w) {
-            int i = 0;
-            while (job >= first[i + 1]) i++;
-            const StatsArgs& a = sd[i];
-            const i64 tb = (a.R + a.bs - 1) / a.bs, b = (job - first[i]) / tb, p = (job - first[i]) % tb;
-            stats_block<T>((const T*)a.x + a.offs[b], a.R, a.K, a.sr, a.sk, a.bs, p, a.places, a.np, nullptr,
-                           nullptr, 0, a.need_abs, true, a.dt == DT_F64, a.o, b * a.R, b * tb, w.bsum.data(),
-                           w.bsq.data(), w.babs.data(), w.buf.data(), nullptr, nullptr, w.rowv.data());
-        }, true);
 }
 
 extern "C" int abft_stats(const i64* dims, const void* const* ptrs) {
     const StatsArgs a = stats_args(dims, ptrs);
     if (a.np > 64) return 2;
-    DISPATCH(a.dt, stats_sides, &a, 1, a.nt);
+    DISPATCH(dims[0], stats_sides, &a, 1, (int)dims[9]);
     return 0;
 }
 
@@ -915,8 +906,8 @@ extern "C" int abft_stats2(const i64* dims0, const void* const* ptrs0, const i64
                            const void* const* ptrs1) {
     const StatsArgs a[2] = {stats_args(dims0, ptrs0), stats_args(dims1, ptrs1)};
     if (a[0].np > 64 || a[1].np > 64) return 2;
-    if (a[0].dt != a[1].dt) return 3;
-    DISPATCH(a[0].dt, stats_sides, a, 2, a[0].nt);
+    if (dims0[0] != dims1[0]) return 3;
+    DISPATCH(dims0[0], stats_sides, a, 2, (int)dims0[9]);
     return 0;
 }
 
@@ -1366,8 +1357,9 @@ static void check_t(CheckArgs g) {
     // B's statistics (the columns of B: rows of B^T), unless kept; then A's with the row predictions
     if (g.B.e == nullptr) {
         StatsOut o = bs_.out(g.nbb, N, TN, K, g.cap != 0, 0);
-        stats_t<T>(g.b, g.nbb, g.offbb, N, K, g.sbn, g.sbk, bn, g.places, g.np, nullptr, nullptr, 0,
-                   g.cap != 0, true, g.dt == DT_F64, g.nt, o);
+        const StatsArgs b{g.b, g.nbb, g.offbb, N, K, g.sbn, g.sbk, bn, g.places, g.np, nullptr, nullptr, 0,
+                          g.cap != 0, true, g.dt == DT_F64, o};
+        stats_sides<T>(&b, 1, g.nt);
         g.B = side_of(o);
         g.absB = o.absum;
         g.sB = o.s;
@@ -1378,8 +1370,9 @@ static void check_t(CheckArgs g) {
         bool b_low = false;
         for (i64 j = 0; j < g.nbb * N; j++) b_low |= g.B.low[j] != 0;
         StatsOut o = as_.out(g.nbc, M, TM, K, g.cap != 0, TN);
-        stats_t<T>(g.a, g.nbc, g.offa, M, K, g.sam, g.sak, bm, g.places, g.np, g.sB, g.ib, TN,
-                   g.cap != 0, b_low, g.dt == DT_F64, g.nt, o);
+        const StatsArgs a{g.a, g.nbc, g.offa, M, K, g.sam, g.sak, bm, g.places, g.np, g.sB, g.ib, TN,
+                          g.cap != 0, b_low, g.dt == DT_F64, o};
+        stats_sides<T>(&a, 1, g.nt);
         g.A = side_of(o);
         g.times = o.times;
         g.sA = o.s;
