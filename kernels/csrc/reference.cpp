@@ -948,17 +948,34 @@ static inline void thin_tile(const T* x, i64 N, const double* s, i64 K, i64 k0, 
     }
 }
 
-// thin_tile for all TM rows of s, G at a time (G x NV accumulators: twelve at most, of the
-// sixteen registers), then what remains in fewer; the first group prefetches
+// thin_tile for all TM rows of s, G at a time, then what remains in fewer; the first group
+// prefetches. G x NV accumulators: sixteen of the 32 vector registers with AVX-512 (16 columns,
+// four rows), twelve of the sixteen without (8 columns, six rows). One tile of fewer than
+// four rows leaves the multiply-add units waiting (one of 8 columns: four chains).
+#ifdef __AVX512F__
+constexpr int THIN_ACC = 16;
+#else
+constexpr int THIN_ACC = 12;
+#endif
+constexpr i64 THIN_CW4 = THIN_ACC >= 16 ? 16 : 8;    // columns a tile for four rows of s or more
 template <int NV, bool ABS, bool PRE, typename T>
 static void thin_tiles(const T* x, i64 N, const double* s, i64 K, i64 TM, i64 k0, i64 k1, const double* sc,
                        double* out, i64 pf) {
-    constexpr int G = 12 / NV < 6 ? 12 / NV : 6;
+    constexpr int G = THIN_ACC / NV < 6 ? THIN_ACC / NV : 6;
     i64 p = 0;
-    for (; p + G <= TM; p += G, pf = 0) thin_tile<G, NV, ABS, PRE>(x, N, s + p * K, K, k0, k1, sc, out + p * N, pf);
-    if (G > 4 && TM - p >= 4) { thin_tile<4, NV, ABS, PRE>(x, N, s + p * K, K, k0, k1, sc, out + p * N, pf); p += 4; pf = 0; }
-    if (G > 2 && TM - p >= 2) { thin_tile<2, NV, ABS, PRE>(x, N, s + p * K, K, k0, k1, sc, out + p * N, pf); p += 2; pf = 0; }
-    if (G > 1 && TM - p >= 1) thin_tile<1, NV, ABS, PRE>(x, N, s + p * K, K, k0, k1, sc, out + p * N, pf);
+    auto tile = [&](auto np) {
+        thin_tile<decltype(np)::value, NV, ABS, PRE>(x, N, s + p * K, K, k0, k1, sc, out + p * N, pf);
+        p += np;
+        pf = 0;
+    };
+    while (p + G <= TM) tile(std::integral_constant<int, G>{});
+    while (p < TM) {
+        const i64 r = TM - p;
+        if (G > 4 && r >= 4) tile(std::integral_constant<int, 4>{});
+        else if (G > 3 && r == 3) tile(std::integral_constant<int, 3>{});
+        else if (G > 2 && r >= 2) tile(std::integral_constant<int, 2>{});
+        else tile(std::integral_constant<int, 1>{});
+    }
 }
 
 // thin_tiles for columns 4NV wide, by the run-time choice of |x| and scaling
@@ -989,9 +1006,9 @@ static void thin_t(const T* b, i64 K, i64 N, i64 sk, i64 sn, const double* s, i6
                 for (i64 p = 0; p < TM; p++) std::fill(out + p * N + j0, out + p * N + j0 + w, 0.0);
                 for (i64 k0 = 0; k0 < K; k0 += KT) {
                     const i64 k1 = std::min(K, k0 + KT), pf = stream && k1 < K ? KT * N : 0;
-                    // columns in groups of 8 (four rows of s or more), 16 (two or three) or 32
-                    // (one): eight or more chains of multiply-adds a tile
-                    const i64 cw = TM >= 4 ? 8 : TM >= 2 ? 16 : 32;
+                    // columns in groups of 16 (8 for four rows of s or more without AVX-512) or
+                    // 32 (one row): eight or more chains of multiply-adds a tile
+                    const i64 cw = TM >= 4 ? THIN_CW4 : TM >= 2 ? 16 : 32;
                     i64 j = 0;
                     for (; j + cw <= w8; j += cw) {
                         const T* x = b + j0 + j;
