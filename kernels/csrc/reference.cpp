@@ -653,7 +653,57 @@ static void stats_block(const T* x, i64 R, i64 K, i64 sr, i64 sk, i64 bs, i64 p,
         // rows strided, K strided by sk: walk k outer, the rows of the block inner (contiguous)
         std::vector<double> tt(tm ? nr * S : 0, 0.0);     // times, [q][r]
         const bool fused = tm && S == 1;
-        for (i64 k = 0; k < K; k++) {
+        i64 k = 0;
+#ifdef __AVX512F__
+        // without row predictions: two values of k per pass over the rows' accumulators (half
+        // their loads and stores), each k's sums in its own registers (24 of the 32), in the
+        // order of the loop below
+        if (!pre && !tm)
+            for (; k + 2 <= K; k += 2) {
+                const T* xk = x + k * sk + i0;
+                double* __restrict am = amax;
+                double* __restrict rq = rsq;
+                v4d l1[2][4], l2[2][4], la[2][4];
+                for (int h = 0; h < 2; h++)
+                    for (int u = 0; u < 4; u++) l1[h][u] = l2[h][u] = la[h][u] = splat(0.0);
+                if (pf && k + PF_AHEAD + 1 < K) {
+                    prefetch_run(xk + PF_AHEAD * sk, nr);
+                    prefetch_run(xk + (PF_AHEAD + 1) * sk, nr);
+                }
+                i64 r = 0;
+                for (; r + LANES <= nr; r += LANES) {
+                    for (int u = 0; u < 4; u++) {
+                        const i64 o = r + 4 * u;
+                        const v4d v = load4(xk + o), w = load4(xk + sk + o), av = abs4(v), aw = abs4(w);
+                        v4d m = load4(am + o);
+                        m = m > av ? m : av;                      // NaN dropped: fixed below
+                        store4(am + o, m > aw ? m : aw);
+                        store4(rq + o, (load4(rq + o) + v * v) + w * w);
+                        l1[0][u] += v;
+                        l2[0][u] += v * v;
+                        la[0][u] += av;
+                        l1[1][u] += w;
+                        l2[1][u] += w * w;
+                        la[1][u] += aw;
+                    }
+                }
+                for (; r < nr; r++)
+                    for (int h = 0; h < 2; h++) {
+                        double v = cvt(xk[h * sk + r]), av = std::fabs(v);
+                        am[r] = am[r] > av ? am[r] : av;
+                        rq[r] += v * v;
+                        l1[h][0][0] += v;
+                        l2[h][0][0] += v * v;
+                        la[h][0][0] += av;
+                    }
+                for (int h = 0; h < 2; h++) {
+                    bsum[k + h] = lanes_sum4(l1[h]);
+                    bsq[k + h] = lanes_sum4(l2[h]);
+                    if (need_abs) babs[k + h] = lanes_sum4(la[h]);
+                }
+            }
+#endif
+        for (; k < K; k++) {
             const T* xk = x + k * sk + i0;
             double s = 0.0, s2 = 0.0, sa = 0.0;
             if (pre)
