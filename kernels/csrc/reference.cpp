@@ -655,14 +655,19 @@ static void stats_block(const T* x, i64 R, i64 K, i64 sr, i64 sk, i64 bs, i64 p,
         const bool fused = tm && S == 1;
         i64 k = 0;
 #ifdef __AVX512F__
-        // without row predictions: two values of k per pass over the rows' accumulators (half
-        // their loads and stores), each k's sums in its own registers (24 of the 32), in the
-        // order of the loop below
-        if (!pre && !tm)
+        // two values of k per pass over the rows' accumulators (half their loads and stores), each
+        // k's sums in its own registers (24 of the 32), every sum in the order of the loop below
+        if (!pre)
             for (; k + 2 <= K; k += 2) {
                 const T* xk = x + k * sk + i0;
                 double* __restrict am = amax;
                 double* __restrict rq = rsq;
+                double* __restrict b0 = buf;
+                double* __restrict b1 = buf + nr;
+                double* __restrict t0 = tt.data();
+                const bool keep = tm != nullptr && !fused;
+                const double w0 = fused ? rhs[k] : 0.0, w1 = fused ? rhs[k + 1] : 0.0;
+                const v4d w04 = splat(w0), w14 = splat(w1);
                 v4d l1[2][4], l2[2][4], la[2][4];
                 for (int h = 0; h < 2; h++)
                     for (int u = 0; u < 4; u++) l1[h][u] = l2[h][u] = la[h][u] = splat(0.0);
@@ -675,6 +680,11 @@ static void stats_block(const T* x, i64 R, i64 K, i64 sr, i64 sk, i64 bs, i64 p,
                     for (int u = 0; u < 4; u++) {
                         const i64 o = r + 4 * u;
                         const v4d v = load4(xk + o), w = load4(xk + sk + o), av = abs4(v), aw = abs4(w);
+                        if (keep) {
+                            store4(b0 + o, v);
+                            store4(b1 + o, w);
+                        }
+                        if (fused) store4(t0 + o, (load4(t0 + o) + v * w04) + w * w14);
                         v4d m = load4(am + o);
                         m = m > av ? m : av;                      // NaN dropped: fixed below
                         store4(am + o, m > aw ? m : aw);
@@ -690,6 +700,8 @@ static void stats_block(const T* x, i64 R, i64 K, i64 sr, i64 sk, i64 bs, i64 p,
                 for (; r < nr; r++)
                     for (int h = 0; h < 2; h++) {
                         double v = cvt(xk[h * sk + r]), av = std::fabs(v);
+                        if (keep) (h ? b1 : b0)[r] = v;
+                        if (fused) t0[r] += v * (h ? w1 : w0);
                         am[r] = am[r] > av ? am[r] : av;
                         rq[r] += v * v;
                         l1[h][0][0] += v;
@@ -701,6 +713,12 @@ static void stats_block(const T* x, i64 R, i64 K, i64 sr, i64 sk, i64 bs, i64 p,
                     bsq[k + h] = lanes_sum4(l2[h]);
                     if (need_abs) babs[k + h] = lanes_sum4(la[h]);
                 }
+                if (keep)
+                    for (i64 q = 0; q < S; q++) {
+                        const double u0 = rhs[q * K + k], u1 = rhs[q * K + k + 1];
+                        double* __restrict tq = tt.data() + q * nr;
+                        for (i64 r = 0; r < nr; r++) tq[r] = (tq[r] + b0[r] * u0) + b1[r] * u1;
+                    }
             }
 #endif
         for (; k < K; k++) {
@@ -885,7 +903,7 @@ static void stats_sides(const StatsArgs* sd, int n, int nt) {
         first[i + 1] = first[i] + a.nb * ((a.R + a.bs - 1) / a.bs);
         const bool rowmajor = !(a.sr == 1 && a.sk != 1 && a.R > 1);
         K = std::max(K, a.K);
-        wbuf = std::max(wbuf, rowmajor ? 2 * a.K : std::max(a.K, a.bs));
+        wbuf = std::max(wbuf, rowmajor ? 2 * a.K : std::max(a.K, 2 * a.bs));    // two rows' values
         rows = std::max(rows, std::min(a.bs, a.R));
         work += (double)a.nb * a.R * a.K;
         // the row predictions by rows_times where each row meets eight or more rhs rows (fewer: dots)
