@@ -500,9 +500,12 @@ static i64 most_equal(const double* a, const double* b, const uint8_t* ok, i64 n
 // at 4096^2 float32 the strided statistics took 7.7 ms with it against 11.3 without; operands that
 // stay in the caches gain nothing). A fixed size: a VM's sysconf reports the host's whole L3.
 constexpr i64 PF_AHEAD = 8, PF_BYTES = 8 << 20;
-// a check whose buffers hold up to this many doubles reuses its calling thread's (about 4 MB kept
-// per thread at most); larger ones allocate their own per call
-constexpr double REUSE_DOUBLES = 1 << 19;
+// A check whose buffers hold up to REUSE_DOUBLES doubles (64 MB; an 8192 x 4096 x 4096 product's
+// take 38 MB with 256-wide tiles) reuses its calling thread's, kept and grown; larger ones allocate
+// their own per call. Fresh buffers fault their pages in on every call: at 2048^3 that was 416
+// page faults and about a fifth of the check, at 4096^3 about a tenth. The workers of a batch
+// checked a matrix a thread keep one matrix's buffers each, up to BATCH_REUSE_DOUBLES (4 MB).
+constexpr double REUSE_DOUBLES = 1 << 23, BATCH_REUSE_DOUBLES = 1 << 19;
 template <typename T>
 static inline void prefetch_run(const T* p, i64 n) {
     for (i64 j = 0; j < n; j += 64 / sizeof(T)) __builtin_prefetch(p + j);
@@ -1437,8 +1440,8 @@ static void check_t(CheckArgs g) {
     const i64 M = g.M, N = g.N, K = g.K, bm = g.bm, bn = g.bn;
     const i64 TM = (M + bm - 1) / bm, TN = (N + bn - 1) / bn;
     STAGE(">");
-    // A small check reuses its calling thread's buffers (its allocations and their zeroing cost
-    // more than its arithmetic: 15% of a 64^3 check); a large one allocates its own per call.
+    // A check reuses its calling thread's buffers (REUSE_DOUBLES: allocating and zeroing them
+    // cost 15% of a 64^3 check, page faults a fifth of a 2048^3 one); a larger one allocates its own.
     struct Buffers {
         StatsBuf bs, as;
         std::vector<double> predc, tcol, trow, colz, rowz;
@@ -1860,7 +1863,7 @@ static void check_t(CheckArgs g) {
 // (every stage's job is one block of one matrix).
 static bool by_matrix(const CheckArgs& g) {
     return g.nt > 1 && g.nbc >= 2 * g.nt && g.nbb == g.nbc && g.B.e == nullptr &&
-           footprint(g) / g.nbc <= REUSE_DOUBLES && threads_for(g.nt, (double)g.nbc * g.M * g.N * g.K) > 1;
+           footprint(g) / g.nbc <= BATCH_REUSE_DOUBLES && threads_for(g.nt, (double)g.nbc * g.M * g.N * g.K) > 1;
 }
 
 template <typename T>
