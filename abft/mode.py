@@ -1,15 +1,17 @@
 """``with abft.checked():`` check the products of unmodified code.
 
-A TorchFunctionMode that routes ``torch.matmul``, ``Tensor.matmul``/``@``, ``torch.mm``,
-``torch.bmm``, ``torch.addmm``, ``torch.baddbmm``, ``F.linear`` and ``torch.einsum`` (where it is a
-plain product: one contracted index, at most one free index per operand) through abft. Module
-labels come from forward hooks it installs (qualified names when ``model`` is given, class names
-otherwise). ``F.scaled_dot_product_attention`` is computed as its math decomposition with both
-products checked when ``sdpa=True``; otherwise it is counted as unprotected, as are convolutions
-and einsum forms that are not products (``abft.coverage()``). ``F.multi_head_attention_forward``
-(``nn.MultiheadAttention``, which reads its weights directly) runs with the mode re-entered, so its
-projections and attention products are seen; a mode being active also keeps torch's fused
-inference paths (``nn.MultiheadAttention``, ``nn.TransformerEncoderLayer``) from being taken.
+A TorchFunctionMode that routes ``torch.matmul`` (``torch.linalg.matmul``), ``Tensor.matmul``/``@``,
+``torch.mm``, ``torch.bmm``, ``torch.addmm``, ``torch.baddbmm``, ``F.linear`` and ``torch.einsum``
+(where it is a plain product: one contracted index, at most one free index per operand) through
+abft. Module labels come from forward hooks it installs (qualified names when ``model`` is given,
+class names otherwise). ``F.scaled_dot_product_attention`` is computed as its math decomposition
+with both products checked when ``sdpa=True``; otherwise it is counted as unprotected, as are
+convolutions, einsum forms that are not products, the products abft has no checked form of
+(``_UNPROTECTED``: ``mv``, ``addbmm``, in-place ``addmm_``...) and aten's products called directly
+(``abft.coverage()``). ``F.multi_head_attention_forward`` (``nn.MultiheadAttention``, which reads
+its weights directly) runs with the mode re-entered, so its projections and attention products are
+seen; a mode being active also keeps torch's fused inference paths (``nn.MultiheadAttention``,
+``nn.TransformerEncoderLayer``) from being taken.
 
 Torch-function modes are off inside autograd's backward; the backward products are checked because
 abft's own ops compute them. einsum is checked in the forward only (torch computes its gradients).
@@ -171,7 +173,40 @@ class _Recompute:
 
 _UNPROTECTED = {F.conv1d: "conv1d", F.conv2d: "conv2d", F.conv3d: "conv3d",
                 F.conv_transpose1d: "conv_transpose1d", F.conv_transpose2d: "conv_transpose2d",
-                torch.conv1d: "conv1d", torch.conv2d: "conv2d", torch.tensordot: "tensordot"}
+                F.conv_transpose3d: "conv_transpose3d",
+                torch.conv1d: "conv1d", torch.conv2d: "conv2d", torch.conv3d: "conv3d",
+                torch.conv_transpose1d: "conv_transpose1d", torch.conv_transpose2d: "conv_transpose2d",
+                torch.conv_transpose3d: "conv_transpose3d", torch.tensordot: "tensordot",
+                # products abft has no checked form of, the in-place ones among them (abft's
+                # products return new tensors)
+                torch.mv: "mv", torch.Tensor.mv: "mv", torch.addmv: "addmv", torch.Tensor.addmv: "addmv",
+                torch.Tensor.addmv_: "addmv_", torch.addbmm: "addbmm", torch.Tensor.addbmm: "addbmm",
+                torch.Tensor.addbmm_: "addbmm_", torch.Tensor.addmm_: "addmm_",
+                torch.Tensor.baddbmm_: "baddbmm_", torch.dot: "dot", torch.Tensor.dot: "dot",
+                torch.vdot: "vdot", torch.Tensor.vdot: "vdot", torch.inner: "inner",
+                torch.Tensor.inner: "inner", torch.linalg.multi_dot: "multi_dot",
+                torch.chain_matmul: "chain_matmul", torch.matrix_power: "matrix_power",
+                torch.Tensor.matrix_power: "matrix_power", torch.linalg.matrix_power: "matrix_power"}
+
+# aten's products called directly (``torch.ops.aten.mm(a, b)``), by the op's name
+_ATEN_PRODUCTS = frozenset({"mm", "bmm", "addmm", "addmm_", "baddbmm", "baddbmm_", "addbmm", "addbmm_",
+                            "matmul", "linear", "mv", "addmv", "addmv_", "dot", "vdot", "convolution",
+                            "_convolution", "conv1d", "conv2d", "conv3d", "conv_transpose1d",
+                            "conv_transpose2d", "conv_transpose3d", "_scaled_dot_product_flash_attention",
+                            "_scaled_dot_product_efficient_attention", "scaled_dot_product_attention",
+                            "tensordot", "einsum"})
+_ATEN_TYPES = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
+
+
+def _aten_product(func):
+    """The name of an aten product called directly (an OpOverload or its packet), else None."""
+    if type(func) not in _ATEN_TYPES:
+        return None
+    packet = func if type(func) is torch._ops.OpOverloadPacket else func.overloadpacket
+    name = packet.__name__
+    if not packet._qualified_op_name.startswith("aten::") or name not in _ATEN_PRODUCTS:
+        return None
+    return f"aten.{name}"
 
 
 class checked(TorchFunctionMode):
@@ -264,7 +299,7 @@ class checked(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func not in _OWN and not isinstance(func, FunctionType):
+        if func not in _OWN and not isinstance(func, FunctionType) and type(func) not in _ATEN_TYPES:
             # most calls: torch's own compiled functions, methods and attributes, which abft
             # leaves alone and which call no torch function back (so no pass-through mark)
             return func(*args, **kwargs)
@@ -294,6 +329,8 @@ class checked(TorchFunctionMode):
             coverage.unprotected("scaled_dot_product_attention", mod)
         elif func in _UNPROTECTED:
             coverage.unprotected(_UNPROTECTED[func], mod)
+        elif _aten_product(func) is not None:           # aten's other ops run below
+            coverage.unprotected(_aten_product(func), mod)
         elif func is F.multi_head_attention_forward:
             # a Python function of torch products: called with this mode popped (as every function
             # a mode handles), it would compute them unseen; run with the mode pushed again (its
@@ -426,7 +463,8 @@ _rmatmul = _product("rmatmul", lambda mod, input, other: autograd.matmul(other, 
                     "input", "other")
 
 _PRODUCTS = {
-    torch.matmul: _matmul, torch.Tensor.matmul: _matmul, torch.Tensor.__matmul__: _matmul,
+    torch.matmul: _matmul, torch.linalg.matmul: _matmul, torch.Tensor.matmul: _matmul,
+    torch.Tensor.__matmul__: _matmul,
     torch.Tensor.__rmatmul__: _rmatmul,
     torch.mm: _mm, torch.Tensor.mm: _mm,
     torch.bmm: _bmm, torch.Tensor.bmm: _bmm,

@@ -127,6 +127,50 @@ def test_products_abft_does_not_check_go_to_torch_and_count_as_unprotected(kind)
             assert torch.equal(F.linear(a, b.t()), a @ b)
 
 
+def _other_products():
+    """(op name in coverage, call on a random-tensor maker) for products abft has no checked form
+    of: each runs as torch's under ``checked()`` and is counted as unprotected."""
+    return [("mv", lambda r: torch.mv(r(3, 4), r(4))), ("mv", lambda r: r(3, 4).mv(r(4))),
+            ("addmv", lambda r: torch.addmv(r(3), r(3, 4), r(4))),
+            ("addmv_", lambda r: r(3).addmv_(r(3, 4), r(4))),
+            ("addbmm", lambda r: torch.addbmm(r(3, 5), r(2, 3, 4), r(2, 4, 5))),
+            ("addbmm_", lambda r: r(3, 5).addbmm_(r(2, 3, 4), r(2, 4, 5))),
+            ("addmm_", lambda r: r(3, 5).addmm_(r(3, 4), r(4, 5))),
+            ("baddbmm_", lambda r: r(2, 3, 5).baddbmm_(r(2, 3, 4), r(2, 4, 5))),
+            ("dot", lambda r: torch.dot(r(4), r(4))), ("vdot", lambda r: torch.vdot(r(4), r(4))),
+            ("inner", lambda r: torch.inner(r(3, 4), r(5, 4))),
+            ("multi_dot", lambda r: torch.linalg.multi_dot([r(3, 4), r(4, 5), r(5, 2)])),
+            ("matrix_power", lambda r: torch.linalg.matrix_power(r(3, 3), 3)),
+            ("matrix_power", lambda r: torch.matrix_power(r(3, 3), 3)),
+            ("conv_transpose3d", lambda r: F.conv_transpose3d(r(1, 2, 3, 3, 3), r(2, 3, 2, 2, 2))),
+            ("aten.mm", lambda r: torch.ops.aten.mm(r(3, 4), r(4, 5))),
+            ("aten.mm", lambda r: torch.ops.aten.mm.default(r(3, 4), r(4, 5))),
+            ("aten.addmm", lambda r: torch.ops.aten.addmm.default(r(5), r(3, 4), r(4, 5)))]
+
+
+@pytest.mark.parametrize("op,call", _other_products(),
+                         ids=[f"{o}-{i}" for i, (o, _) in enumerate(_other_products())])
+def test_products_without_a_checked_form_run_as_torch_and_count_as_unprotected(op, call):
+    def maker():
+        g = torch.Generator().manual_seed(1)
+        return lambda *shape: torch.randn(*shape, generator=g)
+    want = call(maker())
+    with abft.checked():
+        got = call(maker())
+    assert torch.equal(got, want)
+    assert _checked_calls() == 0
+    assert [(r["op"], r["unprotected"]) for r in abft.coverage()] == [(op, 1)]
+
+
+def test_linalg_matmul_is_checked_as_matmul():
+    a, b = torch.randn(5, 6), torch.randn(6, 4)
+    with abft.checked():
+        got = torch.linalg.matmul(a, b)
+    assert torch.equal(got, a @ b)
+    assert {r["op"]: (r["checked"], r["unprotected"]) for r in abft.coverage()} == {"matmul": (1, 0)}
+    assert abft.flush() == []
+
+
 def test_a_raising_callback_loses_no_alarm():
     seen = []
 
