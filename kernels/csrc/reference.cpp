@@ -1068,9 +1068,9 @@ static void thin_t(const T* b, i64 K, i64 N, i64 sk, i64 sn, const double* s, i6
         // rows of b contiguous: strips of W columns, K in chunks of KT rows (a strip's chunk, 128 KB
         // of float32, stays in L2 for the groups of rows of s), a tile's accumulators in registers
         const i64 W = 256, KT = 128, strips = (N + W - 1) / W;
-        // prefetch the next chunk where b is too large to be in cache still from the product (a
-        // b of 6 MB or less: 1-3% slower with it in a loop here; 16-21 MB: 13-24% faster)
-        const bool stream = (double)K * N * sizeof(T) > 8e6;
+        // prefetch the next chunk where b comes from memory (PF_BYTES; a b of 6 MB: 1-3% slower
+        // with it in a loop here; 16-21 MB: 13-24% faster)
+        const bool stream = K * N * (i64)sizeof(T) >= PF_BYTES;
         auto strip = [&](i64 st, std::vector<double>& sc) {
                 const i64 j0 = st * W, w = std::min(W, N - j0), w8 = w / 8 * 8;
                 for (i64 j = 0; j < w; j++) sc[j] = pow2(-f[j0 + j]);
