@@ -1352,20 +1352,22 @@ struct Pending {
 };
 
 // seg[j] = x[j] as float64 (KEEP) and the sums of x, x^2 and |x| over j < w, in LANES
-// accumulators each (held in registers: four vectors per sum)
-template <bool KEEP, typename T>
+// accumulators each (held in registers: four vectors per sum); with MIN, *mn = min |x| (rows whose
+// sums are finite)
+template <bool KEEP, typename T, bool MIN = false>
 static void load_sums(const T* __restrict x, i64 w, double* __restrict seg, double& s1, double& s2,
-                      double& sa) {
-    v4d a1[4], a2[4], aa[4];
-    for (int u = 0; u < 4; u++) a1[u] = a2[u] = aa[u] = splat(0.0);
+                      double& sa, double* mn = nullptr) {
+    v4d a1[4], a2[4], aa[4], am[4];
+    for (int u = 0; u < 4; u++) a1[u] = a2[u] = aa[u] = splat(0.0), am[u] = splat(INF);
     i64 j = 0;
     for (; j + LANES <= w; j += LANES) {
         for (int u = 0; u < 4; u++) {
-            const v4d v = load4(x + j + 4 * u);
+            const v4d v = load4(x + j + 4 * u), m = abs4(v);
             if (KEEP) store4(seg + j + 4 * u, v);
             a1[u] += v;
             a2[u] += v * v;
-            aa[u] += abs4(v);
+            aa[u] += m;
+            if (MIN) am[u] = m < am[u] ? m : am[u];
         }
     }
     for (; j < w; j++) {
@@ -1374,10 +1376,82 @@ static void load_sums(const T* __restrict x, i64 w, double* __restrict seg, doub
         a1[0][0] += v;
         a2[0][0] += v * v;
         aa[0][0] += std::fabs(v);
+        if (MIN) am[0][0] = std::fabs(v) < am[0][0] ? std::fabs(v) : am[0][0];
     }
     s1 = lanes_sum4(a1);
     s2 = lanes_sum4(a2);
     sa = lanes_sum4(aa);
+    if (MIN) {
+        for (int u = 1; u < 4; u++) am[0] = am[u] < am[0] ? am[u] : am[0];
+        *mn = std::min(std::min(am[0][0], am[0][1]), std::min(am[0][2], am[0][3]));
+    }
+}
+
+// The column sums of four rows (rows4), and with COUNT each row's and column's count below tiny
+template <bool COUNT, typename T>
+static void cols4(const T* __restrict x, const T* __restrict y, const T* __restrict u, const T* __restrict v,
+                  i64 w, double tiny, double* __restrict c1, double* __restrict c2, double* __restrict ca,
+                  double* __restrict cs, double* ns) {
+    v4d n4[4] = {splat(0.0), splat(0.0), splat(0.0), splat(0.0)};
+    const v4d t4 = splat(tiny);
+    const v4i one = (v4i)splat(1.0);
+    i64 j = 0;
+    for (; j + 4 <= w; j += 4) {
+        const v4d a = load4(x + j), b = load4(y + j), e = load4(u + j), f = load4(v + j);
+        const v4d aa = abs4(a), ab = abs4(b), ae = abs4(e), af = abs4(f);
+        store4(c1 + j, load4(c1 + j) + ((a + b) + (e + f)));
+        store4(c2 + j, load4(c2 + j) + ((a * a + b * b) + (e * e + f * f)));
+        store4(ca + j, load4(ca + j) + ((aa + ab) + (ae + af)));
+        if (COUNT) {
+            const v4d m0 = (v4d)((aa < t4) & one), m1 = (v4d)((ab < t4) & one), m2 = (v4d)((ae < t4) & one),
+                      m3 = (v4d)((af < t4) & one);
+            n4[0] += m0; n4[1] += m1; n4[2] += m2; n4[3] += m3;
+            store4(cs + j, load4(cs + j) + ((m0 + m1) + (m2 + m3)));
+        }
+    }
+    for (; j < w; j++) {
+        const double a = cvt(x[j]), b = cvt(y[j]), e = cvt(u[j]), f = cvt(v[j]);
+        c1[j] += (a + b) + (e + f);
+        c2[j] += (a * a + b * b) + (e * e + f * f);
+        ca[j] += (std::fabs(a) + std::fabs(b)) + (std::fabs(e) + std::fabs(f));
+        if (COUNT) {
+            const double q[4] = {a, b, e, f};
+            for (int r = 0; r < 4; r++) {
+                const double m = std::fabs(q[r]) < tiny ? 1.0 : 0.0;
+                n4[r][0] += m;
+                cs[j] += m;
+            }
+        }
+    }
+    for (int r = 0; r < 4; r++) ns[r] = COUNT ? (n4[r][0] + n4[r][1]) + (n4[r][2] + n4[r][3]) : 0.0;
+}
+
+// Four consecutive rows of a tile of C (sc apart, contiguous, not float64) as the pass over C takes
+// them when all four are clean and none waits: each row's sums as load_sums gives them (rs: s1, s2,
+// sa, ns), and the four rows' column sums added as add_columns adds four pending rows, the same
+// values in the same order, read from C twice instead of through a float64 copy. False, nothing
+// added, when a row's sums are not finite. The counts below tiny (tiny > 0) are taken only when a
+// row's smallest magnitude is below it. (The squares of these dtypes are exact in float64 and cannot
+// overflow: whether or not the compiler fuses them into multiply-adds changes no value.)
+template <typename T>
+static bool rows4(const T* __restrict c, i64 sc, i64 w, double tiny, double* __restrict c1,
+                  double* __restrict c2, double* __restrict ca, double* __restrict cs, double (*rs)[4]) {
+    static_assert(!std::is_same<T, double>::value, "float64 rows are scaled before their sums");
+    double mn = INF;
+    for (int r = 0; r < 4; r++) {
+        double m = INF;
+        if (tiny > 0) load_sums<false, T, true>(c + r * sc, w, (double*)nullptr, rs[r][0], rs[r][1], rs[r][2], &m);
+        else load_sums<false>(c + r * sc, w, (double*)nullptr, rs[r][0], rs[r][1], rs[r][2]);
+        if (!(fin(rs[r][1]) && fin(rs[r][0]))) return false;
+        mn = std::min(mn, m);
+    }
+    double ns[4];
+    if (tiny > 0 && mn < tiny)
+        cols4<true>(c, c + sc, c + 2 * sc, c + 3 * sc, w, tiny, c1, c2, ca, cs, ns);
+    else
+        cols4<false>(c, c + sc, c + 2 * sc, c + 3 * sc, w, tiny, c1, c2, ca, cs, ns);
+    for (int r = 0; r < 4; r++) rs[r][3] = ns[r];
+    return true;
 }
 
 // Statistics kept in the library's own memory (A's always, B's unless the caller kept them).
@@ -1567,12 +1641,37 @@ static void check_t(CheckArgs g) {
                     load_sums<false>(seg, w, (double*)nullptr, bias[0], bias[1], bias[2]);
                     one_row = fin(bias[0]) && fin(bias[1]);
                 }
+                auto bias_row = [&](i64 i, double sr) {
+                    double* z = &rowz[((b * M + i) * TN + q) * nz + 5];
+                    z[0] = bias[0] * sr; z[1] = bias[1] * (sr * sr); z[2] = bias[2] * sr; z[3] = 0; z[4] = 0;
+                };
+                // four clean rows at a time straight from C where nothing else is summed per row
+                const bool fast = !pre && g.scn == 1 && (!has_d || one_row);
+                i64 slow_until = i0;         // a group with an unclean row: its four rows one by one
                 for (i64 i = i0; i < i1; i++) {
                     const double ei = pow2(-eA[i]), sr = ei * srow;
-                    if (one_row) {
-                        double* z = &rowz[((b * M + i) * TN + q) * nz + 5];
-                        z[0] = bias[0] * sr; z[1] = bias[1] * (sr * sr); z[2] = bias[2] * sr; z[3] = 0; z[4] = 0;
+                    if constexpr (!std::is_same<T, double>::value) {
+                        if (fast && i >= slow_until && pend[0].n == 0 && i + 4 <= i1) {
+                            const T* ci = c + i * g.scm + j0;
+                            for (i64 r = 0; r < 4; r++)
+                                if (pf && i + r + PF_AHEAD < i1) prefetch_run(ci + (r + PF_AHEAD) * g.scm, w);
+                            double rs[4][4];
+                            double* z0 = cz.data();
+                            if (rows4(ci, g.scm, w, g.tiny, z0, z0 + bn, z0 + 2 * bn, z0 + 4 * bn, rs)) {
+                                for (i64 r = 0; r < 4; r++) {
+                                    const double s = pow2(-eA[i + r]) * srow;
+                                    if (one_row) bias_row(i + r, s);
+                                    double* z = &rowz[((b * M + i + r) * TN + q) * nz];
+                                    z[0] = rs[r][0] * s; z[1] = rs[r][1] * (s * s); z[2] = rs[r][2] * s;
+                                    z[3] = 0; z[4] = rs[r][3];
+                                }
+                                i += 3;
+                                continue;
+                            }
+                            slow_until = i + 4;
+                        }
                     }
+                    if (one_row) bias_row(i, sr);
                     for (int src = 0; src < (has_d && !one_row ? 2 : 1); src++) {
                         double* seg = segs.data() + (src * 4 + i % 4) * bn;
                         double* zc = zcs.data() + (src * 4 + i % 4) * bn;
