@@ -519,9 +519,10 @@ static void stats_block(const T* x, i64 R, i64 K, i64 sr, i64 sk, i64 bs, i64 p,
     bool rowmajor = !(sr == 1 && sk != 1 && R > 1);
     const bool pf = !rowmajor && R * K * (i64)sizeof(T) >= PF_BYTES;
     // per row: max |x| and its exponent (float64 operands: before anything else)
-    // per row (rowv: five rows' worth, the caller's per thread): max |x|, sum of squares, exponent,
-    // the row's and the block's scales
-    double *amax = rowv, *rsq = rowv + nr, *e = rowv + 2 * nr, *rowsc = rowv + 3 * nr, *blksc = rowv + 4 * nr;
+    // per row (rowv: six rows' worth, the caller's per thread): max |x|, sum of squares, exponent,
+    // the row's and the block's scales, and the square of their ratio
+    double *amax = rowv, *rsq = rowv + nr, *e = rowv + 2 * nr, *rowsc = rowv + 3 * nr, *blksc = rowv + 4 * nr,
+           *ratio2 = rowv + 5 * nr;
     std::fill(amax, amax + 2 * nr, 0.0);
     std::fill(rowsc, rowsc + 2 * nr, 1.0);
     auto at = [&](i64 i, i64 k) { return cvt(x[i * sr + k * sk]); };
@@ -529,12 +530,29 @@ static void stats_block(const T* x, i64 R, i64 K, i64 sr, i64 sk, i64 bs, i64 p,
         if (rowmajor) {
             for (i64 i = i0; i < i1; i++) {
                 double m = 0.0;
-                for (i64 k = 0; k < K; k++) m = nmax(m, std::fabs(at(i, k)));
+                i64 k = 0;
+                if (sk == 1) {                // LANES lanes, NaN kept apart (a maximum in any order)
+                    const T* xr = x + i * sr;
+                    v4d l[4], nan = splat(0.0);
+                    for (int u = 0; u < 4; u++) l[u] = splat(0.0);
+                    for (; k + LANES <= K; k += LANES)
+                        for (int u = 0; u < 4; u++) {
+                            const v4d v = abs4(load4(xr + k + 4 * u));
+                            l[u] = v > l[u] ? v : l[u];
+                            nan += (v4d)((v4i)(v != v) & (v4i)splat(1.0));
+                        }
+                    for (int u = 1; u < 4; u++) l[0] = l[u] > l[0] ? l[u] : l[0];
+                    m = std::max(std::max(l[0][0], l[0][1]), std::max(l[0][2], l[0][3]));
+                    if (nan[0] + nan[1] + nan[2] + nan[3] > 0) m = NaN;
+                }
+                for (; k < K; k++) m = nmax(m, std::fabs(at(i, k)));
                 amax[i - i0] = m;
             }
         } else {
-            for (i64 k = 0; k < K; k++)
+            for (i64 k = 0; k < K; k++) {
+                if (pf && k + PF_AHEAD < K) prefetch_run(x + (k + PF_AHEAD) * sk + i0, nr);
                 for (i64 i = i0; i < i1; i++) amax[i - i0] = nmax(amax[i - i0], std::fabs(at(i, k)));
+            }
         }
     };
     double E = 0.0;
@@ -552,6 +570,7 @@ static void stats_block(const T* x, i64 R, i64 K, i64 sr, i64 sk, i64 bs, i64 p,
         for (i64 r = 0; r < nr; r++) {
             rowsc[r] = pow2(-e[r]);
             blksc[r] = pow2(-e[r]) * pow2(e[r] - E);
+            ratio2[r] = (blksc[r] / rowsc[r]) * (blksc[r] / rowsc[r]);
         }
     }
     std::fill(bsum, bsum + K, 0.0);
@@ -637,14 +656,31 @@ static void stats_block(const T* x, i64 R, i64 K, i64 sr, i64 sk, i64 bs, i64 p,
                 if (need_abs)
                     for (i64 k = 0; k < K; k++) babs[k] += std::fabs(buf[k]);
             } else {
-                for (i64 k = 0; k < K; k++) {
+                // the row's sum of squares in LANES accumulators (one would bound the loop by its
+                // latency)
+                alignas(64) double sl[LANES] = {};
+                const double f2 = ratio2[r];
+                i64 k = 0;
+                for (; k + LANES <= K; k += LANES) {
+#pragma omp simd
+                    for (int l = 0; l < LANES; l++) {
+                        double v = buf[k + l] * rs, vb = buf[k + l] * bsc;
+                        sl[l] += v * v;
+                        bsum[k + l] += vb;
+                        bsq[k + l] += (v * v) * f2;
+                        if (need_abs) babs[k + l] += std::fabs(vb);
+                        buf[k + l] = v;
+                    }
+                }
+                for (; k < K; k++) {
                     double v = buf[k] * rs, vb = buf[k] * bsc;
-                    sq += v * v;
+                    sl[0] += v * v;
                     bsum[k] += vb;
-                    bsq[k] += (v * v) * ((bsc / rs) * (bsc / rs));
+                    bsq[k] += (v * v) * f2;
                     if (need_abs) babs[k] += std::fabs(vb);
                     buf[k] = v;
                 }
+                sq = lanes_sum(sl);
             }
             rsq[r] = sq;
             if (tm && r % 2 == 1)
@@ -727,8 +763,10 @@ static void stats_block(const T* x, i64 R, i64 K, i64 sr, i64 sk, i64 bs, i64 p,
         for (; k < K; k++) {
             const T* xk = x + k * sk + i0;
             double s = 0.0, s2 = 0.0, sa = 0.0;
-            if (pre)
+            if (pre) {
+                if (pf && k + PF_AHEAD < K) prefetch_run(xk + PF_AHEAD * sk, nr);
                 for (i64 r = 0; r < nr; r++) buf[r] = cvt(xk[r]);
+            }
             if (!pre) {
                 double* __restrict am = amax;
                 double* __restrict rq = rsq;
@@ -771,14 +809,33 @@ static void stats_block(const T* x, i64 R, i64 K, i64 sr, i64 sk, i64 bs, i64 p,
                 s2 = lanes_sum4(l2);
                 sa = lanes_sum4(la);
             } else {
-                for (i64 r = 0; r < nr; r++) {
-                    double v = buf[r] * rowsc[r], vb = buf[r] * blksc[r], f = blksc[r] / rowsc[r];
-                    rsq[r] += v * v;
-                    s += vb;
-                    s2 += (v * v) * (f * f);
-                    sa += std::fabs(vb);
-                    buf[r] = v;
+                // the block's sums at k in LANES accumulators each
+                alignas(64) double l1[LANES] = {}, l2[LANES] = {}, la[LANES] = {};
+                double* __restrict rq = rsq;
+                double* __restrict bf = buf;
+                i64 r = 0;
+                for (; r + LANES <= nr; r += LANES) {
+#pragma omp simd
+                    for (int l = 0; l < LANES; l++) {
+                        double v = bf[r + l] * rowsc[r + l], vb = bf[r + l] * blksc[r + l];
+                        rq[r + l] += v * v;
+                        l1[l] += vb;
+                        l2[l] += (v * v) * ratio2[r + l];
+                        la[l] += std::fabs(vb);
+                        bf[r + l] = v;
+                    }
                 }
+                for (; r < nr; r++) {
+                    double v = bf[r] * rowsc[r], vb = bf[r] * blksc[r];
+                    rq[r] += v * v;
+                    l1[0] += vb;
+                    l2[0] += (v * v) * ratio2[r];
+                    la[0] += std::fabs(vb);
+                    bf[r] = v;
+                }
+                s = lanes_sum(l1);
+                s2 = lanes_sum(l2);
+                sa = lanes_sum(la);
             }
             bsum[k] = s;
             bsq[k] = s2;
@@ -927,7 +984,7 @@ static void stats_sides(const StatsArgs* sd, int n, int nt) {
                                    std::vector<double>(K + 1), std::vector<double>(wbuf + 1),
                                    std::vector<double>(any_tiles ? ROWS_G * KC : 0),
                                    std::vector<double>(any_tiles ? ROWS_G * S8 : 0),
-                                   std::vector<double>(5 * rows + 1)}; },
+                                   std::vector<double>(6 * rows + 1)}; },
                  [&](i64 job, Bufs& w) {
             int i = 0;
             while (job >= first[i + 1]) i++;
@@ -1351,30 +1408,45 @@ struct Pending {
     }
 };
 
+// A product kept rounded where it is computed (an empty asm the compiler cannot see through): the
+// sums below must add the rounded products, as they add them from a scaled copy, and the compiler
+// would otherwise fuse a product into the addition after it
+static inline v4d kept(v4d v) {
+    __asm__("" : "+x"(v));
+    return v;
+}
+static inline double kept(double v) {
+    __asm__("" : "+x"(v));
+    return v;
+}
+
 // seg[j] = x[j] as float64 (KEEP) and the sums of x, x^2 and |x| over j < w, in LANES
 // accumulators each (held in registers: four vectors per sum); with MIN, *mn = min |x| (rows whose
-// sums are finite)
-template <bool KEEP, typename T, bool MIN = false>
+// sums are finite); with SCALE, of x sc instead of x
+template <bool KEEP, typename T, bool MIN = false, bool SCALE = false>
 static void load_sums(const T* __restrict x, i64 w, double* __restrict seg, double& s1, double& s2,
-                      double& sa, double* mn = nullptr) {
+                      double& sa, double* mn = nullptr, double sc = 1.0) {
+    // float64 squares rounded before they are added, on every path alike (those of other dtypes
+    // are exact: fused or not, the same sums)
+    constexpr bool SQ_KEPT = std::is_same<T, double>::value;
     v4d a1[4], a2[4], aa[4], am[4];
     for (int u = 0; u < 4; u++) a1[u] = a2[u] = aa[u] = splat(0.0), am[u] = splat(INF);
     i64 j = 0;
     for (; j + LANES <= w; j += LANES) {
         for (int u = 0; u < 4; u++) {
-            const v4d v = load4(x + j + 4 * u), m = abs4(v);
+            const v4d v = SCALE ? kept(load4(x + j + 4 * u) * splat(sc)) : load4(x + j + 4 * u), m = abs4(v);
             if (KEEP) store4(seg + j + 4 * u, v);
             a1[u] += v;
-            a2[u] += v * v;
+            a2[u] += SQ_KEPT ? kept(v * v) : v * v;
             aa[u] += m;
             if (MIN) am[u] = m < am[u] ? m : am[u];
         }
     }
     for (; j < w; j++) {
-        double v = cvt(x[j]);
+        double v = SCALE ? kept(cvt(x[j]) * sc) : cvt(x[j]);
         if (KEEP) seg[j] = v;
         a1[0][0] += v;
-        a2[0][0] += v * v;
+        a2[0][0] += SQ_KEPT ? kept(v * v) : v * v;
         aa[0][0] += std::fabs(v);
         if (MIN) am[0][0] = std::fabs(v) < am[0][0] ? std::fabs(v) : am[0][0];
     }
@@ -1451,6 +1523,37 @@ static bool rows4(const T* __restrict c, i64 sc, i64 w, double tiny, double* __r
     else
         cols4<false>(c, c + sc, c + 2 * sc, c + 3 * sc, w, tiny, c1, c2, ca, cs, ns);
     for (int r = 0; r < 4; r++) rs[r][3] = ns[r];
+    return true;
+}
+
+// rows4 for float64 C, which the pass over C scales before its sums: each row's sums of x sr[r],
+// the columns' of x scol[j], as the path through the scaled copies adds them (its squares clamped
+// as add_columns clamps them; no count below tiny: not a half type)
+static bool rows4_f64(const double* __restrict c, i64 sc, i64 w, const double* sr, const double* __restrict scol,
+                      double* __restrict c1, double* __restrict c2, double* __restrict ca, double (*rs)[4]) {
+    for (int r = 0; r < 4; r++) {
+        load_sums<false, double, false, true>(c + r * sc, w, (double*)nullptr, rs[r][0], rs[r][1], rs[r][2],
+                                              nullptr, sr[r]);
+        if (!(fin(rs[r][1]) && fin(rs[r][0]))) return false;
+        rs[r][3] = 0.0;
+    }
+    const double *x = c, *y = c + sc, *u = c + 2 * sc, *v = c + 3 * sc;
+    i64 j = 0;
+    for (; j + 4 <= w; j += 4) {
+        const v4d s = load4(scol + j);
+        const v4d a = kept(load4(x + j) * s), b = kept(load4(y + j) * s), e = kept(load4(u + j) * s),
+                  f = kept(load4(v + j) * s);
+        store4(c1 + j, load4(c1 + j) + ((a + b) + (e + f)));
+        store4(c2 + j, load4(c2 + j) + ((sq_capped4(a) + sq_capped4(b)) + (sq_capped4(e) + sq_capped4(f))));
+        store4(ca + j, load4(ca + j) + ((abs4(a) + abs4(b)) + (abs4(e) + abs4(f))));
+    }
+    for (; j < w; j++) {
+        const double a = kept(x[j] * scol[j]), b = kept(y[j] * scol[j]), e = kept(u[j] * scol[j]),
+                     f = kept(v[j] * scol[j]);
+        c1[j] += (a + b) + (e + f);
+        c2[j] += (sq_capped(a) + sq_capped(b)) + (sq_capped(e) + sq_capped(f));
+        ca[j] += (std::fabs(a) + std::fabs(b)) + (std::fabs(e) + std::fabs(f));
+    }
     return true;
 }
 
@@ -1646,11 +1749,29 @@ static void check_t(CheckArgs g) {
                     z[0] = bias[0] * sr; z[1] = bias[1] * (sr * sr); z[2] = bias[2] * sr; z[3] = 0; z[4] = 0;
                 };
                 // four clean rows at a time straight from C where nothing else is summed per row
-                const bool fast = !pre && g.scn == 1 && (!has_d || one_row);
+                const bool fast = g.scn == 1 && (!has_d || (one_row && !pre));
                 i64 slow_until = i0;         // a group with an unclean row: its four rows one by one
                 for (i64 i = i0; i < i1; i++) {
                     const double ei = pow2(-eA[i]), sr = ei * srow;
-                    if constexpr (!std::is_same<T, double>::value) {
+                    if constexpr (std::is_same<T, double>::value) {
+                        if (fast && i >= slow_until && pend[0].n == 0 && i + 4 <= i1) {
+                            const double* ci = c + i * g.scm + j0;
+                            for (i64 r = 0; r < 4; r++)
+                                if (pf && i + r + PF_AHEAD < i1) prefetch_run(ci + (r + PF_AHEAD) * g.scm, w);
+                            double rs[4][4], s4[4];
+                            for (i64 r = 0; r < 4; r++) s4[r] = pow2(-eA[i + r]) * srow;
+                            double* z0 = cz.data();
+                            if (rows4_f64(ci, g.scm, w, s4, scol.data(), z0, z0 + bn, z0 + 2 * bn, rs)) {
+                                for (i64 r = 0; r < 4; r++) {
+                                    double* z = &rowz[((b * M + i + r) * TN + q) * nz];
+                                    z[0] = rs[r][0]; z[1] = rs[r][1]; z[2] = rs[r][2]; z[3] = 0; z[4] = 0;
+                                }
+                                i += 3;
+                                continue;
+                            }
+                            slow_until = i + 4;
+                        }
+                    } else if constexpr (sizeof(T) == 2) {     // (float32: no faster than the copy)
                         if (fast && i >= slow_until && pend[0].n == 0 && i + 4 <= i1) {
                             const T* ci = c + i * g.scm + j0;
                             for (i64 r = 0; r < 4; r++)
