@@ -418,49 +418,60 @@ template <int NR, bool ABS, typename T>
 static void row_pass(const T* __restrict x0, const T* __restrict x1, i64 K, double* __restrict bsum,
                      double* __restrict bsq, double* __restrict babs, double* amax, double* rsq) {
     constexpr int L = LANES / 2;          // two rows' accumulators: as many registers as one's
-    alignas(64) double m0[L] = {}, s0[L] = {}, m1[L] = {}, s1[L] = {};
+    static_assert(L == 8, "two vectors of four lanes a row");
+    // lanes 4h..4h+3 of each accumulator in its vector h (explicit vectors: GCC's own
+    // vectorisation of this loop used two lanes a vector and spilled)
+    v4d m0[2], s0[2], m1[2], s1[2];
+    for (int h = 0; h < 2; h++) m0[h] = s0[h] = m1[h] = s1[h] = splat(0.0);
     i64 k = 0;
     for (; k + L <= K; k += L) {
-#pragma omp simd
-        for (int l = 0; l < L; l++) {
-            double v = cvt(x0[k + l]), av = std::fabs(v);
-            m0[l] = m0[l] > av ? m0[l] : av;
-            s0[l] += v * v;
+        for (int h = 0; h < 2; h++) {
+            const i64 o = k + 4 * h;
+            const v4d v = load4(x0 + o), av = abs4(v);
+            m0[h] = m0[h] > av ? m0[h] : av;
+            s0[h] += v * v;
             if (NR == 2) {
-                double w = cvt(x1[k + l]), aw = std::fabs(w);
-                m1[l] = m1[l] > aw ? m1[l] : aw;
-                s1[l] += w * w;
-                bsum[k + l] += v + w;
-                bsq[k + l] += v * v + w * w;
-                if (ABS) babs[k + l] = (babs[k + l] + av) + aw;
+                const v4d w = load4(x1 + o), aw = abs4(w);
+                m1[h] = m1[h] > aw ? m1[h] : aw;
+                s1[h] += w * w;
+                store4(bsum + o, load4(bsum + o) + (v + w));
+                store4(bsq + o, load4(bsq + o) + (v * v + w * w));
+                if (ABS) store4(babs + o, (load4(babs + o) + av) + aw);
             } else {
-                bsum[k + l] += v;
-                bsq[k + l] += v * v;
-                if (ABS) babs[k + l] += av;
+                store4(bsum + o, load4(bsum + o) + v);
+                store4(bsq + o, load4(bsq + o) + v * v);
+                if (ABS) store4(babs + o, load4(babs + o) + av);
             }
         }
     }
+    alignas(64) double a0[L], q0[L], a1[L], q1[L];
+    for (int h = 0; h < 2; h++) {
+        store4(a0 + 4 * h, m0[h]);
+        store4(q0 + 4 * h, s0[h]);
+        store4(a1 + 4 * h, m1[h]);
+        store4(q1 + 4 * h, s1[h]);
+    }
     for (; k < K; k++) {
         double v = cvt(x0[k]), av = std::fabs(v);
-        m0[0] = m0[0] > av ? m0[0] : av;
-        s0[0] += v * v;
+        a0[0] = a0[0] > av ? a0[0] : av;
+        q0[0] += v * v;
         bsum[k] += v;
         bsq[k] += v * v;
         if (ABS) babs[k] += av;
         if (NR == 2) {
             double w = cvt(x1[k]), aw = std::fabs(w);
-            m1[0] = m1[0] > aw ? m1[0] : aw;
-            s1[0] += w * w;
+            a1[0] = a1[0] > aw ? a1[0] : aw;
+            q1[0] += w * w;
             bsum[k] += w;
             bsq[k] += w * w;
             if (ABS) babs[k] += aw;
         }
     }
-    amax[0] = lanes_max<L>(m0);
-    rsq[0] = lanes_sum<L>(s0);
+    amax[0] = lanes_max<L>(a0);
+    rsq[0] = lanes_sum<L>(q0);
     if (NR == 2) {
-        amax[1] = lanes_max<L>(m1);
-        rsq[1] = lanes_sum<L>(s1);
+        amax[1] = lanes_max<L>(a1);
+        rsq[1] = lanes_sum<L>(q1);
     }
 }
 
