@@ -51,6 +51,9 @@ static inline double cvt(bf16_t x) {
     std::memcpy(&f, &u, 4);
     return f;
 }
+#if defined(__AVX__) && defined(__F16C__)
+static inline double cvt(f16_t x) { return _cvtsh_ss(x.v); }     // exact, as below
+#else
 static inline double cvt(f16_t x) {
     uint32_t h = x.v, sign = (h & 0x8000u) << 16, ex = (h >> 10) & 0x1f, man = h & 0x3ff;
     if (ex == 0x1f) {                                     // inf, NaN
@@ -62,6 +65,7 @@ static inline double cvt(f16_t x) {
     double v = ex ? std::ldexp((double)(man | 0x400), (int)ex - 25) : std::ldexp((double)man, -24);
     return sign ? -v : v;
 }
+#endif
 
 // NaN-propagating max (torch's amax; the minimum is nmin4, four wide)
 static inline double nmax(double a, double b) { return (a != a || b != b) ? NaN : (a > b ? a : b); }
