@@ -108,7 +108,7 @@ static void prof(const char* name) {
 #endif
     static double last = 0, sums[16] = {0};
     static const char* names[16];
-    static int stage = 0, calls = 0;
+    static int stage = 0, calls = 0, since = 0;
     double now = omp_get_wtime();
     if (name[0] == '>') {
         stage = 0;
@@ -116,8 +116,10 @@ static void prof(const char* name) {
         names[stage] = name;
         sums[stage++] += now - last;
     }
+    if (name[0] == '.') since++;
     if (name[0] == '.' && (++calls == 1 || calls % ABFT_PROFILE_EVERY == 0)) {
-        int n = calls == 1 ? 1 : ABFT_PROFILE_EVERY;
+        const int n = since;             // the calls summed since the last print
+        since = 0;
         for (int i = 0; i < stage; i++) {
             fprintf(stderr, "%s %.4f ms  ", names[i], sums[i] / n * 1e3);
             sums[i] = 0;
