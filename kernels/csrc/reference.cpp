@@ -635,6 +635,11 @@ static void stats_block(const T* x, i64 R, i64 K, i64 sr, i64 sk, i64 bs, i64 p,
         }
     } else if (rowmajor) {                      // float64 (scaled first), or K strided
         double* buf2 = buf;
+        // with rhsT (float64 rows, K contiguous), the row predictions of each group of ROWS_G rows,
+        // scaled as buf scales them, while the rows are in L2 (dots2 was bound by its loads)
+        const bool tiles = tm && rhsT && pre && sk == 1;
+        const i64 S8 = (S + 7) / 8 * 8;
+        i64 g0 = i0;
         for (i64 i = i0; i < i1; i++) {
             i64 r = i - i0;
             double m = 0.0, sq = 0.0, rs = rowsc[r], bsc = blksc[r];
@@ -700,7 +705,14 @@ static void stats_block(const T* x, i64 R, i64 K, i64 sr, i64 sk, i64 bs, i64 p,
                 sq = lanes_sum(sl);
             }
             rsq[r] = sq;
-            if (tm && r % 2 == 1)
+            if (tiles) {
+                if (i + 1 - g0 >= ROWS_G || i + 1 == i1) {
+                    rows_times(x + g0 * sr, sr, i + 1 - g0, K, rhsT, S8, false, rowsc + (g0 - i0), tg, xb);
+                    for (i64 g = g0; g <= i; g++)
+                        for (i64 q = 0; q < S; q++) tm[(g - i0) * S + q] = tg[(g - g0) * S8 + q];
+                    g0 = i + 1;
+                }
+            } else if (tm && r % 2 == 1)
                 dots2(buf2, buf2 + K, rhs, S, K, 1.0, 1.0, tm + (r - 1) * S, tm + r * S, 1);
             else if (tm && i == i1 - 1)
                 dots(buf, rhs, S, K, 1.0, tm + r * S, 1);
@@ -984,7 +996,7 @@ static void stats_sides(const StatsArgs* sd, int n, int nt) {
         rows = std::max(rows, std::min(a.bs, a.R));
         work += (double)a.nb * a.R * a.K;
         // the row predictions by rows_times where each row meets eight or more rhs rows (fewer: dots)
-        if (a.rhs && a.S >= 8 && rowmajor && !a.pre && a.sk == 1) {
+        if (a.rhs && a.S >= 8 && rowmajor && a.sk == 1) {
             const i64 s8 = (a.S + 7) / 8 * 8;
             i64 nrhs = 0;
             for (i64 b = 0; b < a.nb; b++) nrhs = std::max(nrhs, a.rhs_idx[b] + 1);
