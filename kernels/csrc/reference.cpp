@@ -1778,48 +1778,36 @@ static void check_t(CheckArgs g) {
                     z[0] = bias[0] * sr; z[1] = bias[1] * (sr * sr); z[2] = bias[2] * sr; z[3] = 0; z[4] = 0;
                 };
                 // four clean rows at a time straight from C where nothing else is summed per row
-                const bool fast = g.scn == 1 && (!has_d || (one_row && !pre));
+                // (float32: no faster than the copy)
+                const bool fast = (std::is_same<T, double>::value || sizeof(T) == 2) && g.scn == 1 &&
+                                  (!has_d || (one_row && !pre));
                 i64 slow_until = i0;         // a group with an unclean row: its four rows one by one
                 for (i64 i = i0; i < i1; i++) {
                     const double ei = pow2(-eA[i]), sr = ei * srow;
-                    if constexpr (std::is_same<T, double>::value) {
-                        if (fast && i >= slow_until && pend[0].n == 0 && i + 4 <= i1) {
-                            const double* ci = c + i * g.scm + j0;
-                            for (i64 r = 0; r < 4; r++)
-                                if (pf && i + r + PF_AHEAD < i1) prefetch_run(ci + (r + PF_AHEAD) * g.scm, w);
-                            double rs[4][4], s4[4];
-                            for (i64 r = 0; r < 4; r++) s4[r] = pow2(-eA[i + r]) * srow;
-                            double* z0 = cz.data();
-                            if (rows4_f64(ci, g.scm, w, s4, scol.data(), z0, z0 + bn, z0 + 2 * bn, rs)) {
-                                for (i64 r = 0; r < 4; r++) {
-                                    double* z = &rowz[((b * M + i + r) * TN + q) * nz];
-                                    z[0] = rs[r][0]; z[1] = rs[r][1]; z[2] = rs[r][2]; z[3] = 0; z[4] = 0;
-                                }
-                                i += 3;
-                                continue;
+                    if (fast && i >= slow_until && pend[0].n == 0 && i + 4 <= i1) {
+                        const T* ci = c + i * g.scm + j0;
+                        for (i64 r = 0; r < 4; r++)
+                            if (pf && i + r + PF_AHEAD < i1) prefetch_run(ci + (r + PF_AHEAD) * g.scm, w);
+                        double rs[4][4], s4[4];
+                        for (i64 r = 0; r < 4; r++) s4[r] = pow2(-eA[i + r]) * srow;
+                        double* z0 = cz.data();
+                        bool clean = false;
+                        if constexpr (std::is_same<T, double>::value)
+                            clean = rows4_f64(ci, g.scm, w, s4, scol.data(), z0, z0 + bn, z0 + 2 * bn, rs);
+                        else if constexpr (sizeof(T) == 2)
+                            clean = rows4(ci, g.scm, w, g.tiny, z0, z0 + bn, z0 + 2 * bn, z0 + 4 * bn, rs);
+                        if (clean) {
+                            for (i64 r = 0; r < 4; r++) {
+                                const double f = pre ? 1.0 : s4[r];
+                                if (one_row) bias_row(i + r, s4[r]);
+                                double* z = &rowz[((b * M + i + r) * TN + q) * nz];
+                                z[0] = rs[r][0] * f; z[1] = rs[r][1] * (f * f); z[2] = rs[r][2] * f;
+                                z[3] = 0; z[4] = rs[r][3];
                             }
-                            slow_until = i + 4;
+                            i += 3;
+                            continue;
                         }
-                    } else if constexpr (sizeof(T) == 2) {     // (float32: no faster than the copy)
-                        if (fast && i >= slow_until && pend[0].n == 0 && i + 4 <= i1) {
-                            const T* ci = c + i * g.scm + j0;
-                            for (i64 r = 0; r < 4; r++)
-                                if (pf && i + r + PF_AHEAD < i1) prefetch_run(ci + (r + PF_AHEAD) * g.scm, w);
-                            double rs[4][4];
-                            double* z0 = cz.data();
-                            if (rows4(ci, g.scm, w, g.tiny, z0, z0 + bn, z0 + 2 * bn, z0 + 4 * bn, rs)) {
-                                for (i64 r = 0; r < 4; r++) {
-                                    const double s = pow2(-eA[i + r]) * srow;
-                                    if (one_row) bias_row(i + r, s);
-                                    double* z = &rowz[((b * M + i + r) * TN + q) * nz];
-                                    z[0] = rs[r][0] * s; z[1] = rs[r][1] * (s * s); z[2] = rs[r][2] * s;
-                                    z[3] = 0; z[4] = rs[r][3];
-                                }
-                                i += 3;
-                                continue;
-                            }
-                            slow_until = i + 4;
-                        }
+                        slow_until = i + 4;
                     }
                     if (one_row) bias_row(i, sr);
                     for (int src = 0; src < (has_d && !one_row ? 2 : 1); src++) {
