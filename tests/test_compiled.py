@@ -399,6 +399,29 @@ def test_a_fresh_cache_builds_once_with_a_progress_line(monkeypatch, tmp_path, c
     assert len(list(tmp_path.glob("reference-*.so"))) == 1 and not list(tmp_path.glob("*.so.tmp*"))
 
 
+@pytest.mark.parametrize("march", ["x86-64", "x86-64-v3"])
+def test_the_library_builds_for_cpus_without_avx512_or_avx(march, monkeypatch, tmp_path):
+    """-march=native on a user's older x86 CPU: the source builds without AVX-512 (x86-64-v3: AVX2)
+    and without AVX (x86-64: SSE2 only), and the build checks a product clean and a fault caught
+    (loading a build for a lesser x86 target runs on this one)."""
+    import platform
+    if platform.machine() not in ("x86_64", "AMD64"):
+        pytest.skip("x86 targets")
+    monkeypatch.setenv("ABFT_CACHE", str(tmp_path))
+    monkeypatch.setenv("ABFT_CXXFLAGS", f"-march={march} -O1")
+    lib = compiled._build()
+    monkeypatch.setattr(compiled, "_lib", lib)
+    g = torch.Generator().manual_seed(5)
+    for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
+        a, b = torch.randn(70, 90, generator=g).to(dtype), torch.randn(90, 130, generator=g).to(dtype)
+        c = a @ b
+        kw = dict(bm=32, bn=64, units=reference.units_for(c))
+        assert not L.alarmed(reference.check(a, b, c, **kw)[0]).any(), dtype
+        c[40, 100] += 4 * c.abs().max()
+        hit = L.alarmed(reference.check(a, b, c, **kw)[0])
+        assert hit[1, 1] and hit.sum() == 1, dtype
+
+
 def test_the_coefficient_order_is_the_dataclass_fields():
     """The packed order is compiled.py's list, checked against the library at load; every field of
     ``threshold.Coefficients`` is in it."""

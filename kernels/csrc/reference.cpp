@@ -1441,7 +1441,14 @@ struct Pending {
 // sums below must add the rounded products, as they add them from a scaled copy, and the compiler
 // would otherwise fuse a product into the addition after it
 static inline v4d kept(v4d v) {
+#ifdef __AVX__
     __asm__("" : "+x"(v));
+#else                                   // (SSE2: the four lanes in two registers)
+    typedef double v2d __attribute__((vector_size(16)));
+    v2d lo = {v[0], v[1]}, hi = {v[2], v[3]};
+    __asm__("" : "+x"(lo), "+x"(hi));
+    v = (v4d){lo[0], lo[1], hi[0], hi[1]};
+#endif
     return v;
 }
 static inline double kept(double v) {
