@@ -329,8 +329,8 @@ class checked(TorchFunctionMode):
             coverage.unprotected("scaled_dot_product_attention", mod)
         elif func in _UNPROTECTED:
             coverage.unprotected(_UNPROTECTED[func], mod)
-        elif _aten_product(func) is not None:           # aten's other ops run below
-            coverage.unprotected(_aten_product(func), mod)
+        elif (aten := _aten_product(func)) is not None:     # aten's other ops run below
+            coverage.unprotected(aten, mod)
         elif func is F.multi_head_attention_forward:
             # a Python function of torch products: called with this mode popped (as every function
             # a mode handles), it would compute them unseen; run with the mode pushed again (its

@@ -1495,20 +1495,30 @@ static void load_sums(const T* __restrict x, i64 w, double* __restrict seg, doub
     }
 }
 
-// The column sums of four rows (rows4), and with COUNT each row's and column's count below tiny
-template <bool COUNT, typename T>
+// The column sums of four rows (rows4): of their values, or with SCALE (float64) of their values
+// times scol[j] kept rounded, whose squares are clamped as add_columns clamps them (those of the
+// other dtypes are exact and cannot overflow: whether or not the compiler fuses them into
+// multiply-adds changes no value); with COUNT each row's and column's count below tiny
+template <bool COUNT, bool SCALE, typename T>
 static void cols4(const T* __restrict x, const T* __restrict y, const T* __restrict u, const T* __restrict v,
-                  i64 w, double tiny, double* __restrict c1, double* __restrict c2, double* __restrict ca,
-                  double* __restrict cs, double* ns) {
+                  i64 w, const double* __restrict scol, double tiny, double* __restrict c1,
+                  double* __restrict c2, double* __restrict ca, double* __restrict cs, double* ns) {
     v4d n4[4] = {splat(0.0), splat(0.0), splat(0.0), splat(0.0)};
     const v4d t4 = splat(tiny);
     const v4i one = (v4i)splat(1.0);
     i64 j = 0;
     for (; j + 4 <= w; j += 4) {
-        const v4d a = load4(x + j), b = load4(y + j), e = load4(u + j), f = load4(v + j);
+        v4d a = load4(x + j), b = load4(y + j), e = load4(u + j), f = load4(v + j);
+        if (SCALE) {
+            const v4d s = load4(scol + j);
+            a = kept(a * s), b = kept(b * s), e = kept(e * s), f = kept(f * s);
+        }
         const v4d aa = abs4(a), ab = abs4(b), ae = abs4(e), af = abs4(f);
         store4(c1 + j, load4(c1 + j) + ((a + b) + (e + f)));
-        store4(c2 + j, load4(c2 + j) + ((a * a + b * b) + (e * e + f * f)));
+        if (SCALE)
+            store4(c2 + j, load4(c2 + j) + ((sq_capped4(a) + sq_capped4(b)) + (sq_capped4(e) + sq_capped4(f))));
+        else
+            store4(c2 + j, load4(c2 + j) + ((a * a + b * b) + (e * e + f * f)));
         store4(ca + j, load4(ca + j) + ((aa + ab) + (ae + af)));
         if (COUNT) {
             const v4d m0 = (v4d)((aa < t4) & one), m1 = (v4d)((ab < t4) & one), m2 = (v4d)((ae < t4) & one),
@@ -1518,9 +1528,13 @@ static void cols4(const T* __restrict x, const T* __restrict y, const T* __restr
         }
     }
     for (; j < w; j++) {
-        const double a = cvt(x[j]), b = cvt(y[j]), e = cvt(u[j]), f = cvt(v[j]);
+        double a = cvt(x[j]), b = cvt(y[j]), e = cvt(u[j]), f = cvt(v[j]);
+        if (SCALE) a = kept(a * scol[j]), b = kept(b * scol[j]), e = kept(e * scol[j]), f = kept(f * scol[j]);
         c1[j] += (a + b) + (e + f);
-        c2[j] += (a * a + b * b) + (e * e + f * f);
+        if (SCALE)
+            c2[j] += (sq_capped(a) + sq_capped(b)) + (sq_capped(e) + sq_capped(f));
+        else
+            c2[j] += (a * a + b * b) + (e * e + f * f);
         ca[j] += (std::fabs(a) + std::fabs(b)) + (std::fabs(e) + std::fabs(f));
         if (COUNT) {
             const double q[4] = {a, b, e, f};
@@ -1534,62 +1548,37 @@ static void cols4(const T* __restrict x, const T* __restrict y, const T* __restr
     for (int r = 0; r < 4; r++) ns[r] = COUNT ? (n4[r][0] + n4[r][1]) + (n4[r][2] + n4[r][3]) : 0.0;
 }
 
-// Four consecutive rows of a tile of C (sc apart, contiguous, not float64) as the pass over C takes
-// them when all four are clean and none waits: each row's sums as load_sums gives them (rs: s1, s2,
-// sa, ns), and the four rows' column sums added as add_columns adds four pending rows, the same
-// values in the same order, read from C twice instead of through a float64 copy. False, nothing
-// added, when a row's sums are not finite. The counts below tiny (tiny > 0) are taken only when a
-// row's smallest magnitude is below it. (The squares of these dtypes are exact in float64 and cannot
-// overflow: whether or not the compiler fuses them into multiply-adds changes no value.)
+// Four consecutive rows of a tile of C (sc apart, contiguous) as the pass over C takes them when
+// all four are clean and none waits: each row's sums as load_sums gives them (rs: s1, s2, sa, ns),
+// and the four rows' column sums added as add_columns adds four pending rows, the same values in
+// the same order, read from C twice instead of through a float64 copy. Float64 is scaled before
+// its sums as the copies scale it: a row's by sr[r], a column's by scol[j]. False, nothing added,
+// when a row's sums are not finite. The counts below tiny (tiny > 0: the half types) are taken
+// only when a row's smallest magnitude is below it.
 template <typename T>
-static bool rows4(const T* __restrict c, i64 sc, i64 w, double tiny, double* __restrict c1,
-                  double* __restrict c2, double* __restrict ca, double* __restrict cs, double (*rs)[4]) {
-    static_assert(!std::is_same<T, double>::value, "float64 rows are scaled before their sums");
+static bool rows4(const T* __restrict c, i64 sc, i64 w, const double* sr, const double* scol, double tiny,
+                  double* __restrict c1, double* __restrict c2, double* __restrict ca, double* __restrict cs,
+                  double (*rs)[4]) {
+    constexpr bool SCALE = std::is_same<T, double>::value;
     double mn = INF;
     for (int r = 0; r < 4; r++) {
         double m = INF;
-        if (tiny > 0) load_sums<false, T, true>(c + r * sc, w, (double*)nullptr, rs[r][0], rs[r][1], rs[r][2], &m);
-        else load_sums<false>(c + r * sc, w, (double*)nullptr, rs[r][0], rs[r][1], rs[r][2]);
+        if (SCALE)
+            load_sums<false, T, false, true>(c + r * sc, w, (double*)nullptr, rs[r][0], rs[r][1], rs[r][2],
+                                             nullptr, sr[r]);
+        else if (tiny > 0)
+            load_sums<false, T, true>(c + r * sc, w, (double*)nullptr, rs[r][0], rs[r][1], rs[r][2], &m);
+        else
+            load_sums<false>(c + r * sc, w, (double*)nullptr, rs[r][0], rs[r][1], rs[r][2]);
         if (!(fin(rs[r][1]) && fin(rs[r][0]))) return false;
         mn = std::min(mn, m);
     }
     double ns[4];
     if (tiny > 0 && mn < tiny)
-        cols4<true>(c, c + sc, c + 2 * sc, c + 3 * sc, w, tiny, c1, c2, ca, cs, ns);
+        cols4<true, SCALE>(c, c + sc, c + 2 * sc, c + 3 * sc, w, scol, tiny, c1, c2, ca, cs, ns);
     else
-        cols4<false>(c, c + sc, c + 2 * sc, c + 3 * sc, w, tiny, c1, c2, ca, cs, ns);
+        cols4<false, SCALE>(c, c + sc, c + 2 * sc, c + 3 * sc, w, scol, tiny, c1, c2, ca, cs, ns);
     for (int r = 0; r < 4; r++) rs[r][3] = ns[r];
-    return true;
-}
-
-// rows4 for float64 C, which the pass over C scales before its sums: each row's sums of x sr[r],
-// the columns' of x scol[j], as the path through the scaled copies adds them (its squares clamped
-// as add_columns clamps them; no count below tiny: not a half type)
-static bool rows4_f64(const double* __restrict c, i64 sc, i64 w, const double* sr, const double* __restrict scol,
-                      double* __restrict c1, double* __restrict c2, double* __restrict ca, double (*rs)[4]) {
-    for (int r = 0; r < 4; r++) {
-        load_sums<false, double, false, true>(c + r * sc, w, (double*)nullptr, rs[r][0], rs[r][1], rs[r][2],
-                                              nullptr, sr[r]);
-        if (!(fin(rs[r][1]) && fin(rs[r][0]))) return false;
-        rs[r][3] = 0.0;
-    }
-    const double *x = c, *y = c + sc, *u = c + 2 * sc, *v = c + 3 * sc;
-    i64 j = 0;
-    for (; j + 4 <= w; j += 4) {
-        const v4d s = load4(scol + j);
-        const v4d a = kept(load4(x + j) * s), b = kept(load4(y + j) * s), e = kept(load4(u + j) * s),
-                  f = kept(load4(v + j) * s);
-        store4(c1 + j, load4(c1 + j) + ((a + b) + (e + f)));
-        store4(c2 + j, load4(c2 + j) + ((sq_capped4(a) + sq_capped4(b)) + (sq_capped4(e) + sq_capped4(f))));
-        store4(ca + j, load4(ca + j) + ((abs4(a) + abs4(b)) + (abs4(e) + abs4(f))));
-    }
-    for (; j < w; j++) {
-        const double a = kept(x[j] * scol[j]), b = kept(y[j] * scol[j]), e = kept(u[j] * scol[j]),
-                     f = kept(v[j] * scol[j]);
-        c1[j] += (a + b) + (e + f);
-        c2[j] += (sq_capped(a) + sq_capped(b)) + (sq_capped(e) + sq_capped(f));
-        ca[j] += (std::fabs(a) + std::fabs(b)) + (std::fabs(e) + std::fabs(f));
-    }
     return true;
 }
 
@@ -1798,12 +1787,8 @@ static void check_t(CheckArgs g) {
                         double rs[4][4], s4[4];
                         for (i64 r = 0; r < 4; r++) s4[r] = pow2(-eA[i + r]) * srow;
                         double* z0 = cz.data();
-                        bool clean = false;
-                        if constexpr (std::is_same<T, double>::value)
-                            clean = rows4_f64(ci, g.scm, w, s4, scol.data(), z0, z0 + bn, z0 + 2 * bn, rs);
-                        else if constexpr (sizeof(T) == 2)
-                            clean = rows4(ci, g.scm, w, g.tiny, z0, z0 + bn, z0 + 2 * bn, z0 + 4 * bn, rs);
-                        if (clean) {
+                        if (rows4(ci, g.scm, w, s4, scol.data(), g.tiny, z0, z0 + bn, z0 + 2 * bn, z0 + 4 * bn,
+                                  rs)) {
                             for (i64 r = 0; r < 4; r++) {
                                 const double f = pre ? 1.0 : s4[r];
                                 if (one_row) bias_row(i + r, s4[r]);
