@@ -605,3 +605,39 @@ def test_an_output_in_either_layout_gives_the_same_bits(dtype):
         want = reference.check(a, b, c, **kw)
         assert bits_equal(got[0], want[0]) and all(bits_equal(x, y) for x, y in zip(got[1], want[1]))
         assert all(bits_equal(got[2][q], want[2][q]) for q in want[2]), (m, k, n)
+
+
+def test_float64_operands_out_of_the_unscaled_range_give_the_same_bits_as_in_it():
+    """Float64 blocks are summed unscaled where their rows' exponents lie within +-400, and from
+    copies scaled first where not (stats_block): both in the same loops, so A 2^j against B 2^-j
+    gives the bits of A against B on each side of the limit, in each operand layout (rows
+    contiguous, strided, K strided), with a non-finite row (scaled first at any exponent)."""
+    g = torch.Generator().manual_seed(8)
+    m, k, n = 70, 90, 80
+    a0 = torch.randn(m, 2 * k, generator=g, dtype=torch.float64)
+    a0[5, 14] = float("nan")
+    b0 = torch.randn(k, n, generator=g, dtype=torch.float64)
+    forms = {"rows": lambda x: x[:, :k].contiguous(), "columns": lambda x: x[:, :k].mT.contiguous().mT,
+             "strided": lambda x: x[:, ::2]}
+    kw = dict(bm=32, bn=32, return_sums=True)
+    n_cases = 0
+    for a_form in forms:
+        for b_form in ("rows", "columns"):
+            for nan in (False, True):
+                def operands(j):
+                    a = forms[a_form]((a0 if nan else torch.where(a0.isnan(), 1.0, a0)) * 2.0 ** j)
+                    b = (b0 if b_form == "rows" else b0.mT.contiguous().mT) * 2.0 ** -j
+                    assert a.stride() == forms[a_form](a0).stride()
+                    return a, b
+                a, b = operands(0)
+                c = a @ b
+                c[m // 3, n // 2] += 1e-3
+                kw["units"] = reference.units_for(c)
+                want = reference.check(a, b, c, **kw)
+                for j in (398, 402, -402, 650, -650):
+                    got = reference.check(*operands(j), c, **kw)
+                    assert bits_equal(got[0], want[0]), (a_form, b_form, nan, j)
+                    assert all(bits_equal(x, y) for x, y in zip(got[1], want[1])), (a_form, b_form, nan, j)
+                    assert all(bits_equal(got[2][q], want[2][q]) for q in want[2]), (a_form, b_form, nan, j, q)
+                    n_cases += 1
+    assert n_cases == 60

@@ -170,6 +170,32 @@ static inline v4d load4(const f16_t* p) {
 }
 #endif
 
+// A product kept rounded where it is computed (an empty asm the compiler cannot see through): the
+// sums below must add the rounded products, as they add them from a scaled copy, and the compiler
+// would otherwise fuse a product into the addition after it
+static inline v4d kept(v4d v) {
+#ifdef __AVX__
+    __asm__("" : "+x"(v));
+#else                                   // (SSE2: the four lanes in two registers)
+    typedef double v2d __attribute__((vector_size(16)));
+    v2d lo = {v[0], v[1]}, hi = {v[2], v[3]};
+    __asm__("" : "+x"(lo), "+x"(hi));
+    v = (v4d){lo[0], lo[1], hi[0], hi[1]};
+#endif
+    return v;
+}
+static inline double kept(double v) {
+    __asm__("" : "+x"(v));
+    return v;
+}
+
+// x^2 as the statistics add it: a float64 square rounded first (the other dtypes' are exact in
+// float64: fused into the addition or not, the same sums)
+template <typename T>
+static inline v4d square(v4d v) { return std::is_same<T, double>::value ? kept(v * v) : v * v; }
+template <typename T>
+static inline double square(double v) { return std::is_same<T, double>::value ? kept(v * v) : v * v; }
+
 // lanes_sum of sixteen accumulators held as four vectors (lanes 4u..4u+3 in l[u]): the same
 // additions in the same order, three of them four wide
 static_assert(LANES == 16, "lanes_sum4 holds LANES accumulators as four vectors");
@@ -335,8 +361,8 @@ static void transposed8(const double* y, i64 S, i64 K, double* yt) {
 // ---------------------------------------------------------------------------------------------
 // Operand statistics (stats.operand_stats) of the rows of x (R, K) with strides (sr, sk), per
 // batch (offsets offs), for blocks of bs rows; with rhs (S, K) per batch: times = (x 2^-e) rhs^T.
-// Operands other than float64 are summed as they are and scaled after (exact: float64 holds their
-// squares); float64 ones are scaled first, which needs their exponents: a first pass for those.
+// Summed as they are and scaled after by powers of two (stats_block: float64 blocks out of range
+// are scaled first).
 struct StatsOut {
     double *e, *r1, *rinf, *E, *x1, *xinf, *xs1, *xsinf, *nu, *s, *absum, *times;
     uint8_t *finite, *low;
@@ -435,17 +461,17 @@ static void row_pass(const T* __restrict x0, const T* __restrict x1, i64 K, doub
             const i64 o = k + 4 * h;
             const v4d v = load4(x0 + o), av = abs4(v);
             m0[h] = m0[h] > av ? m0[h] : av;
-            s0[h] += v * v;
+            s0[h] += square<T>(v);
             if (NR == 2) {
                 const v4d w = load4(x1 + o), aw = abs4(w);
                 m1[h] = m1[h] > aw ? m1[h] : aw;
-                s1[h] += w * w;
+                s1[h] += square<T>(w);
                 store4(bsum + o, load4(bsum + o) + (v + w));
-                store4(bsq + o, load4(bsq + o) + (v * v + w * w));
+                store4(bsq + o, load4(bsq + o) + (square<T>(v) + square<T>(w)));
                 if (ABS) store4(babs + o, (load4(babs + o) + av) + aw);
             } else {
                 store4(bsum + o, load4(bsum + o) + v);
-                store4(bsq + o, load4(bsq + o) + v * v);
+                store4(bsq + o, load4(bsq + o) + square<T>(v));
                 if (ABS) store4(babs + o, load4(babs + o) + av);
             }
         }
@@ -460,16 +486,16 @@ static void row_pass(const T* __restrict x0, const T* __restrict x1, i64 K, doub
     for (; k < K; k++) {
         double v = cvt(x0[k]), av = std::fabs(v);
         a0[0] = a0[0] > av ? a0[0] : av;
-        q0[0] += v * v;
+        q0[0] += square<T>(v);
         bsum[k] += v;
-        bsq[k] += v * v;
+        bsq[k] += square<T>(v);
         if (ABS) babs[k] += av;
         if (NR == 2) {
             double w = cvt(x1[k]), aw = std::fabs(w);
             a1[0] = a1[0] > aw ? a1[0] : aw;
-            q1[0] += w * w;
+            q1[0] += square<T>(w);
             bsum[k] += w;
-            bsq[k] += w * w;
+            bsq[k] += square<T>(w);
             if (ABS) babs[k] += aw;
         }
     }
@@ -527,194 +553,95 @@ template <typename T>
 static inline void prefetch_run(const T* p, i64 n) {
     for (i64 j = 0; j < n; j += 64 / sizeof(T)) __builtin_prefetch(p + j);
 }
+// How a block's rows are read: ROWS, K contiguous (row_pass); ROWS_STRIDED, a row at a time through
+// a float64 copy; COLS, rows contiguous and K strided (k outer, the block's rows inner).
+enum BlockPath { ROWS, ROWS_STRIDED, COLS };
+
+// One pass over a block's nr rows (x: its first row; strides sr, sk), in their own type and
+// unscaled: per row max |x| (NaN dropped: a row whose sum of squares is not finite has it redone
+// as torch takes it) and sum of squares; per k the block's sums of x, x^2 and |x| (need_abs); with
+// tm, the rows' predictions x rhs^T (nr x S; rows_times with rhsT).
 template <typename T>
-static void stats_block(const T* x, i64 R, i64 K, i64 sr, i64 sk, i64 bs, i64 p, const i64* places,
-                        i64 np, const double* rhs, const double* rhsT, i64 S, bool need_abs, bool need_low,
-                        bool pre, StatsOut o, i64 rbase, i64 tbase, double* bsum, double* bsq, double* babs,
-                        double* buf, double* xb, double* tg, double* rowv) {
-    i64 i0 = p * bs, i1 = std::min(R, i0 + bs), nr = i1 - i0;
-    bool rowmajor = !(sr == 1 && sk != 1 && R > 1);
-    const bool pf = !rowmajor && R * K * (i64)sizeof(T) >= PF_BYTES;
-    // per row: max |x| and its exponent (float64 operands: before anything else)
-    // per row (rowv: six rows' worth, the caller's per thread): max |x|, sum of squares, exponent,
-    // the row's and the block's scales, and the square of their ratio
-    double *amax = rowv, *rsq = rowv + nr, *e = rowv + 2 * nr, *rowsc = rowv + 3 * nr, *blksc = rowv + 4 * nr,
-           *ratio2 = rowv + 5 * nr;
-    std::fill(amax, amax + 2 * nr, 0.0);
-    std::fill(rowsc, rowsc + 2 * nr, 1.0);
-    auto at = [&](i64 i, i64 k) { return cvt(x[i * sr + k * sk]); };
-    auto amax_pass = [&]() {
-        if (rowmajor) {
-            for (i64 i = i0; i < i1; i++) {
-                double m = 0.0;
-                i64 k = 0;
-                if (sk == 1) {                // LANES lanes, NaN kept apart (a maximum in any order)
-                    const T* xr = x + i * sr;
-                    v4d l[4], nan = splat(0.0);
-                    for (int u = 0; u < 4; u++) l[u] = splat(0.0);
-                    for (; k + LANES <= K; k += LANES)
-                        for (int u = 0; u < 4; u++) {
-                            const v4d v = abs4(load4(xr + k + 4 * u));
-                            l[u] = v > l[u] ? v : l[u];
-                            nan += (v4d)((v4i)(v != v) & (v4i)splat(1.0));
-                        }
-                    for (int u = 1; u < 4; u++) l[0] = l[u] > l[0] ? l[u] : l[0];
-                    m = std::max(std::max(l[0][0], l[0][1]), std::max(l[0][2], l[0][3]));
-                    if (nan[0] + nan[1] + nan[2] + nan[3] > 0) m = NaN;
-                }
-                for (; k < K; k++) m = nmax(m, std::fabs(at(i, k)));
-                amax[i - i0] = m;
-            }
-        } else {
-            for (i64 k = 0; k < K; k++) {
-                if (pf && k + PF_AHEAD < K) prefetch_run(x + (k + PF_AHEAD) * sk + i0, nr);
-                for (i64 i = i0; i < i1; i++) amax[i - i0] = nmax(amax[i - i0], std::fabs(at(i, k)));
-            }
-        }
-    };
-    double E = 0.0;
-    auto exps = [&]() {
-        double Em = -INF;
-        for (i64 r = 0; r < nr; r++) {
-            e[r] = expo(amax[r]);
-            if (fin(amax[r]) && amax[r] > 0) Em = std::max(Em, e[r]);
-        }
-        E = fin(Em) ? Em : 0.0;
-    };
-    if (pre) {
-        amax_pass();
-        exps();
-        for (i64 r = 0; r < nr; r++) {
-            rowsc[r] = pow2(-e[r]);
-            blksc[r] = pow2(-e[r]) * pow2(e[r] - E);
-            ratio2[r] = (blksc[r] / rowsc[r]) * (blksc[r] / rowsc[r]);
-        }
-    }
+static void block_sums(const T* x, i64 nr, i64 K, i64 sr, i64 sk, BlockPath path, bool pf, const double* rhs,
+                       const double* rhsT, i64 S, bool need_abs, double* tm, double* amax, double* rsq,
+                       double* bsum, double* bsq, double* babs, double* buf, double* xb, double* tg) {
+    std::fill(amax, amax + nr, 0.0);
+    std::fill(rsq, rsq + nr, 0.0);
     std::fill(bsum, bsum + K, 0.0);
     std::fill(bsq, bsq + K, 0.0);
     if (need_abs) std::fill(babs, babs + K, 0.0);
-    double* tm = o.times ? o.times + (rbase + i0) * S : nullptr;
     if (tm) std::fill(tm, tm + nr * S, 0.0);
-    if (rowmajor && !pre && sk == 1) {
+    auto redo_max = [&](i64 r) {              // a non-finite element: the row's max, as torch takes it
+        double m = 0.0;
+        for (i64 k = 0; k < K; k++) m = nmax(m, std::fabs(cvt(x[r * sr + k * sk])));
+        amax[r] = m;
+    };
+    if (path == ROWS) {
         // contiguous rows two at a time, read in their own type (no float64 copy): each pass
         // over the block's column accumulators adds two rows; with rhsT, the row predictions of
         // each group of ROWS_G rows while they are in L2
         const i64 S8 = (S + 7) / 8 * 8;
-        i64 g0 = i0;
-        for (i64 i = i0; i < i1; i += 2) {
-            const i64 r = i - i0;
-            const T* x0 = x + i * sr;
-            if (i + 1 < i1) {
+        i64 g0 = 0;
+        for (i64 r = 0; r < nr; r += 2) {
+            const T* x0 = x + r * sr;
+            if (r + 1 < nr) {
                 if (need_abs) row_pass<2, true>(x0, x0 + sr, K, bsum, bsq, babs, &amax[r], &rsq[r]);
                 else row_pass<2, false>(x0, x0 + sr, K, bsum, bsq, babs, &amax[r], &rsq[r]);
             } else {
                 if (need_abs) row_pass<1, true>(x0, x0, K, bsum, bsq, babs, &amax[r], &rsq[r]);
                 else row_pass<1, false>(x0, x0, K, bsum, bsq, babs, &amax[r], &rsq[r]);
             }
-            for (i64 rr = r; rr < std::min(r + 2, nr); rr++) {
-                const T* xr = x + (i0 + rr) * sr;
-                if (!fin(rsq[rr])) {          // a non-finite element: its max, as torch takes it
-                    double m = 0.0;
-                    for (i64 k = 0; k < K; k++) m = nmax(m, std::fabs(cvt(xr[k])));
-                    amax[rr] = m;
-                }
-            }
+            for (i64 rr = r; rr < std::min(r + 2, nr); rr++)
+                if (!fin(rsq[rr])) redo_max(rr);
             if (tm && rhsT) {
-                const i64 iend = std::min(i + 2, i1);
-                if (iend - g0 >= ROWS_G || iend == i1) {
-                    rows_times(x + g0 * sr, sr, iend - g0, K, rhsT, S8, false, nullptr, tg, xb);
-                    for (i64 g = g0; g < iend; g++)
-                        for (i64 q = 0; q < S; q++) tm[(g - i0) * S + q] = tg[(g - g0) * S8 + q];
-                    g0 = iend;
+                const i64 rend = std::min(r + 2, nr);
+                if (rend - g0 >= ROWS_G || rend == nr) {
+                    rows_times(x + g0 * sr, sr, rend - g0, K, rhsT, S8, false, nullptr, tg, xb);
+                    for (i64 g = g0; g < rend; g++)
+                        for (i64 q = 0; q < S; q++) tm[g * S + q] = tg[(g - g0) * S8 + q];
+                    g0 = rend;
                 }
-            } else if (tm && i + 1 < i1) {
+            } else if (tm && r + 1 < nr) {
                 dots2(x0, x0 + sr, rhs, S, K, 1.0, 1.0, tm + r * S, tm + (r + 1) * S, 1);
             } else if (tm) {
                 dots(x0, rhs, S, K, 1.0, tm + r * S, 1);
             }
         }
-    } else if (rowmajor) {                      // float64 (scaled first), or K strided
+    } else if (path == ROWS_STRIDED) {
         double* buf2 = buf;
-        // with rhsT (float64 rows, K contiguous), the row predictions of each group of ROWS_G rows,
-        // scaled as buf scales them, while the rows are in L2 (dots2 was bound by its loads)
-        const bool tiles = tm && rhsT && pre && sk == 1;
-        const i64 S8 = (S + 7) / 8 * 8;
-        i64 g0 = i0;
-        for (i64 i = i0; i < i1; i++) {
-            i64 r = i - i0;
-            double m = 0.0, sq = 0.0, rs = rowsc[r], bsc = blksc[r];
-            const T* xr = x + i * sr;
+        for (i64 r = 0; r < nr; r++) {
+            const T* xr = x + r * sr;
             double* buf = buf2 + (r % 2) * K;        // two rows' values: the row predictions in pairs
             for (i64 k = 0; k < K; k++) buf[k] = cvt(xr[k * sk]);
-            if (!pre) {
-                // LANES independent accumulators (one per lane: GCC's omp-simd reduction keeps a
-                // single vector, whose latency then bounds the loop)
-                alignas(64) double ml[LANES] = {}, sl[LANES] = {};
-                i64 k = 0;
-                for (; k + LANES <= K; k += LANES) {
+            // LANES independent accumulators (one per lane: GCC's omp-simd reduction keeps a
+            // single vector, whose latency then bounds the loop)
+            alignas(64) double ml[LANES] = {}, sl[LANES] = {};
+            i64 k = 0;
+            for (; k + LANES <= K; k += LANES) {
 #pragma omp simd
-                    for (int l = 0; l < LANES; l++) {
-                        double v = buf[k + l], av = std::fabs(v);
-                        ml[l] = ml[l] > av ? ml[l] : av;     // NaN dropped: fixed below
-                        sl[l] += v * v;
-                        bsum[k + l] += v;
-                        bsq[k + l] += v * v;
-                    }
+                for (int l = 0; l < LANES; l++) {
+                    double v = buf[k + l], av = std::fabs(v);
+                    ml[l] = ml[l] > av ? ml[l] : av;     // NaN dropped: fixed below
+                    sl[l] += square<T>(v);
+                    bsum[k + l] += v;
+                    bsq[k + l] += square<T>(v);
                 }
-                for (; k < K; k++) {
-                    double v = buf[k], av = std::fabs(v);
-                    ml[0] = ml[0] > av ? ml[0] : av;
-                    sl[0] += v * v;
-                    bsum[k] += v;
-                    bsq[k] += v * v;
-                }
-                m = lanes_max(ml);
-                sq = lanes_sum(sl);
-                if (!fin(sq)) {               // a non-finite element: its max, as torch takes it
-                    m = 0.0;
-                    for (i64 k = 0; k < K; k++) m = nmax(m, std::fabs(buf[k]));
-                }
-                amax[r] = m;
-                if (need_abs)
-                    for (i64 k = 0; k < K; k++) babs[k] += std::fabs(buf[k]);
-            } else {
-                // the row's sum of squares in LANES accumulators (one would bound the loop by its
-                // latency)
-                alignas(64) double sl[LANES] = {};
-                const double f2 = ratio2[r];
-                i64 k = 0;
-                for (; k + LANES <= K; k += LANES) {
-#pragma omp simd
-                    for (int l = 0; l < LANES; l++) {
-                        double v = buf[k + l] * rs, vb = buf[k + l] * bsc;
-                        sl[l] += v * v;
-                        bsum[k + l] += vb;
-                        bsq[k + l] += (v * v) * f2;
-                        if (need_abs) babs[k + l] += std::fabs(vb);
-                        buf[k + l] = v;
-                    }
-                }
-                for (; k < K; k++) {
-                    double v = buf[k] * rs, vb = buf[k] * bsc;
-                    sl[0] += v * v;
-                    bsum[k] += vb;
-                    bsq[k] += (v * v) * f2;
-                    if (need_abs) babs[k] += std::fabs(vb);
-                    buf[k] = v;
-                }
-                sq = lanes_sum(sl);
             }
-            rsq[r] = sq;
-            if (tiles) {
-                if (i + 1 - g0 >= ROWS_G || i + 1 == i1) {
-                    rows_times(x + g0 * sr, sr, i + 1 - g0, K, rhsT, S8, false, rowsc + (g0 - i0), tg, xb);
-                    for (i64 g = g0; g <= i; g++)
-                        for (i64 q = 0; q < S; q++) tm[(g - i0) * S + q] = tg[(g - g0) * S8 + q];
-                    g0 = i + 1;
-                }
-            } else if (tm && r % 2 == 1)
+            for (; k < K; k++) {
+                double v = buf[k], av = std::fabs(v);
+                ml[0] = ml[0] > av ? ml[0] : av;
+                sl[0] += square<T>(v);
+                bsum[k] += v;
+                bsq[k] += square<T>(v);
+            }
+            amax[r] = lanes_max(ml);
+            rsq[r] = lanes_sum(sl);
+            if (!fin(rsq[r])) redo_max(r);
+            if (need_abs)
+                for (i64 k = 0; k < K; k++) babs[k] += std::fabs(buf[k]);
+            if (tm && r % 2 == 1)
                 dots2(buf2, buf2 + K, rhs, S, K, 1.0, 1.0, tm + (r - 1) * S, tm + r * S, 1);
-            else if (tm && i == i1 - 1)
+            else if (tm && r == nr - 1)
                 dots(buf, rhs, S, K, 1.0, tm + r * S, 1);
         }
     } else {
@@ -725,185 +652,196 @@ static void stats_block(const T* x, i64 R, i64 K, i64 sr, i64 sk, i64 bs, i64 p,
 #ifdef __AVX512F__
         // two values of k per pass over the rows' accumulators (half their loads and stores), each
         // k's sums in its own registers (24 of the 32), every sum in the order of the loop below
-        if (!pre)
-            for (; k + 2 <= K; k += 2) {
-                const T* xk = x + k * sk + i0;
-                double* __restrict am = amax;
-                double* __restrict rq = rsq;
-                double* __restrict b0 = buf;
-                double* __restrict b1 = buf + nr;
-                double* __restrict t0 = tt.data();
-                const bool keep = tm != nullptr && !fused;
-                const double w0 = fused ? rhs[k] : 0.0, w1 = fused ? rhs[k + 1] : 0.0;
-                const v4d w04 = splat(w0), w14 = splat(w1);
-                v4d l1[2][4], l2[2][4], la[2][4];
-                for (int h = 0; h < 2; h++)
-                    for (int u = 0; u < 4; u++) l1[h][u] = l2[h][u] = la[h][u] = splat(0.0);
-                if (pf && k + PF_AHEAD + 1 < K) {
-                    prefetch_run(xk + PF_AHEAD * sk, nr);
-                    prefetch_run(xk + (PF_AHEAD + 1) * sk, nr);
-                }
-                i64 r = 0;
-                for (; r + LANES <= nr; r += LANES) {
-                    for (int u = 0; u < 4; u++) {
-                        const i64 o = r + 4 * u;
-                        const v4d v = load4(xk + o), w = load4(xk + sk + o), av = abs4(v), aw = abs4(w);
-                        if (keep) {
-                            store4(b0 + o, v);
-                            store4(b1 + o, w);
-                        }
-                        if (fused) store4(t0 + o, (load4(t0 + o) + v * w04) + w * w14);
-                        v4d m = load4(am + o);
-                        m = m > av ? m : av;                      // NaN dropped: fixed below
-                        store4(am + o, m > aw ? m : aw);
-                        store4(rq + o, (load4(rq + o) + v * v) + w * w);
-                        l1[0][u] += v;
-                        l2[0][u] += v * v;
-                        la[0][u] += av;
-                        l1[1][u] += w;
-                        l2[1][u] += w * w;
-                        la[1][u] += aw;
-                    }
-                }
-                for (; r < nr; r++)
-                    for (int h = 0; h < 2; h++) {
-                        double v = cvt(xk[h * sk + r]), av = std::fabs(v);
-                        if (keep) (h ? b1 : b0)[r] = v;
-                        if (fused) t0[r] += v * (h ? w1 : w0);
-                        am[r] = am[r] > av ? am[r] : av;
-                        rq[r] += v * v;
-                        l1[h][0][0] += v;
-                        l2[h][0][0] += v * v;
-                        la[h][0][0] += av;
-                    }
-                for (int h = 0; h < 2; h++) {
-                    bsum[k + h] = lanes_sum4(l1[h]);
-                    bsq[k + h] = lanes_sum4(l2[h]);
-                    if (need_abs) babs[k + h] = lanes_sum4(la[h]);
-                }
-                if (keep)
-                    for (i64 q = 0; q < S; q++) {
-                        const double u0 = rhs[q * K + k], u1 = rhs[q * K + k + 1];
-                        double* __restrict tq = tt.data() + q * nr;
-                        for (i64 r = 0; r < nr; r++) tq[r] = (tq[r] + b0[r] * u0) + b1[r] * u1;
-                    }
+        for (; k + 2 <= K; k += 2) {
+            const T* xk = x + k * sk;
+            double* __restrict am = amax;
+            double* __restrict rq = rsq;
+            double* __restrict b0 = buf;
+            double* __restrict b1 = buf + nr;
+            double* __restrict t0 = tt.data();
+            const bool keep = tm != nullptr && !fused;
+            const double w0 = fused ? rhs[k] : 0.0, w1 = fused ? rhs[k + 1] : 0.0;
+            const v4d w04 = splat(w0), w14 = splat(w1);
+            v4d l1[2][4], l2[2][4], la[2][4];
+            for (int h = 0; h < 2; h++)
+                for (int u = 0; u < 4; u++) l1[h][u] = l2[h][u] = la[h][u] = splat(0.0);
+            if (pf && k + PF_AHEAD + 1 < K) {
+                prefetch_run(xk + PF_AHEAD * sk, nr);
+                prefetch_run(xk + (PF_AHEAD + 1) * sk, nr);
             }
+            i64 r = 0;
+            for (; r + LANES <= nr; r += LANES) {
+                for (int u = 0; u < 4; u++) {
+                    const i64 o = r + 4 * u;
+                    const v4d v = load4(xk + o), w = load4(xk + sk + o), av = abs4(v), aw = abs4(w);
+                    if (keep) {
+                        store4(b0 + o, v);
+                        store4(b1 + o, w);
+                    }
+                    if (fused) store4(t0 + o, (load4(t0 + o) + v * w04) + w * w14);
+                    v4d m = load4(am + o);
+                    m = m > av ? m : av;                      // NaN dropped: fixed below
+                    store4(am + o, m > aw ? m : aw);
+                    store4(rq + o, (load4(rq + o) + square<T>(v)) + square<T>(w));
+                    l1[0][u] += v;
+                    l2[0][u] += square<T>(v);
+                    la[0][u] += av;
+                    l1[1][u] += w;
+                    l2[1][u] += square<T>(w);
+                    la[1][u] += aw;
+                }
+            }
+            for (; r < nr; r++)
+                for (int h = 0; h < 2; h++) {
+                    double v = cvt(xk[h * sk + r]), av = std::fabs(v);
+                    if (keep) (h ? b1 : b0)[r] = v;
+                    if (fused) t0[r] += v * (h ? w1 : w0);
+                    am[r] = am[r] > av ? am[r] : av;
+                    rq[r] += square<T>(v);
+                    l1[h][0][0] += v;
+                    l2[h][0][0] += square<T>(v);
+                    la[h][0][0] += av;
+                }
+            for (int h = 0; h < 2; h++) {
+                bsum[k + h] = lanes_sum4(l1[h]);
+                bsq[k + h] = lanes_sum4(l2[h]);
+                if (need_abs) babs[k + h] = lanes_sum4(la[h]);
+            }
+            if (keep)
+                for (i64 q = 0; q < S; q++) {
+                    const double u0 = rhs[q * K + k], u1 = rhs[q * K + k + 1];
+                    double* __restrict tq = tt.data() + q * nr;
+                    for (i64 r = 0; r < nr; r++) tq[r] = (tq[r] + b0[r] * u0) + b1[r] * u1;
+                }
+        }
 #endif
         for (; k < K; k++) {
-            const T* xk = x + k * sk + i0;
-            double s = 0.0, s2 = 0.0, sa = 0.0;
-            if (pre) {
-                if (pf && k + PF_AHEAD < K) prefetch_run(xk + PF_AHEAD * sk, nr);
-                for (i64 r = 0; r < nr; r++) buf[r] = cvt(xk[r]);
+            const T* xk = x + k * sk;
+            double* __restrict am = amax;
+            double* __restrict rq = rsq;
+            double* __restrict bf = buf;
+            v4d l1[4], l2[4], la[4];       // LANES accumulators each, in registers
+            for (int u = 0; u < 4; u++) l1[u] = l2[u] = la[u] = splat(0.0);
+            if (pf && k + PF_AHEAD < K) prefetch_run(xk + PF_AHEAD * sk, nr);
+            // with one block of B's columns (S == 1), each row's prediction is added here
+            // (the loop below's operations, in its order per row); with more, the values are
+            // kept for that loop
+            const bool keep = tm != nullptr && !fused;
+            double* __restrict t0 = tt.data();
+            const double w0 = fused ? rhs[k] : 0.0;
+            const v4d w4 = splat(w0);
+            i64 r = 0;
+            for (; r + LANES <= nr; r += LANES) {
+                for (int u = 0; u < 4; u++) {
+                    const i64 o = r + 4 * u;
+                    const v4d v = load4(xk + o), av = abs4(v), m = load4(am + o);
+                    if (keep) store4(bf + o, v);
+                    if (fused) store4(t0 + o, load4(t0 + o) + v * w4);
+                    store4(am + o, m > av ? m : av);              // NaN dropped: fixed below
+                    store4(rq + o, load4(rq + o) + square<T>(v));
+                    l1[u] += v;
+                    l2[u] += square<T>(v);
+                    la[u] += av;
+                }
             }
-            if (!pre) {
-                double* __restrict am = amax;
-                double* __restrict rq = rsq;
-                double* __restrict bf = buf;
-                v4d l1[4], l2[4], la[4];       // LANES accumulators each, in registers
-                for (int u = 0; u < 4; u++) l1[u] = l2[u] = la[u] = splat(0.0);
-                if (pf && k + PF_AHEAD < K) prefetch_run(xk + PF_AHEAD * sk, nr);
-                // with one block of B's columns (S == 1), each row's prediction is added here
-                // (the loop below's operations, in its order per row); with more, the values are
-                // kept for that loop
-                const bool keep = tm != nullptr && !fused;
-                double* __restrict t0 = tt.data();
-                const double w0 = fused ? rhs[k] : 0.0;
-                const v4d w4 = splat(w0);
-                i64 r = 0;
-                for (; r + LANES <= nr; r += LANES) {
-                    for (int u = 0; u < 4; u++) {
-                        const i64 o = r + 4 * u;
-                        const v4d v = load4(xk + o), av = abs4(v), m = load4(am + o);
-                        if (keep) store4(bf + o, v);
-                        if (fused) store4(t0 + o, load4(t0 + o) + v * w4);
-                        store4(am + o, m > av ? m : av);              // NaN dropped: fixed below
-                        store4(rq + o, load4(rq + o) + v * v);
-                        l1[u] += v;
-                        l2[u] += v * v;
-                        la[u] += av;
-                    }
-                }
-                for (; r < nr; r++) {
-                    double v = cvt(xk[r]), av = std::fabs(v);
-                    if (keep) bf[r] = v;
-                    if (fused) t0[r] += v * w0;
-                    am[r] = am[r] > av ? am[r] : av;
-                    rq[r] += v * v;
-                    l1[0][0] += v;
-                    l2[0][0] += v * v;
-                    la[0][0] += av;
-                }
-                s = lanes_sum4(l1);
-                s2 = lanes_sum4(l2);
-                sa = lanes_sum4(la);
-            } else {
-                // the block's sums at k in LANES accumulators each
-                alignas(64) double l1[LANES] = {}, l2[LANES] = {}, la[LANES] = {};
-                double* __restrict rq = rsq;
-                double* __restrict bf = buf;
-                i64 r = 0;
-                for (; r + LANES <= nr; r += LANES) {
-#pragma omp simd
-                    for (int l = 0; l < LANES; l++) {
-                        double v = bf[r + l] * rowsc[r + l], vb = bf[r + l] * blksc[r + l];
-                        rq[r + l] += v * v;
-                        l1[l] += vb;
-                        l2[l] += (v * v) * ratio2[r + l];
-                        la[l] += std::fabs(vb);
-                        bf[r + l] = v;
-                    }
-                }
-                for (; r < nr; r++) {
-                    double v = bf[r] * rowsc[r], vb = bf[r] * blksc[r];
-                    rq[r] += v * v;
-                    l1[0] += vb;
-                    l2[0] += (v * v) * ratio2[r];
-                    la[0] += std::fabs(vb);
-                    bf[r] = v;
-                }
-                s = lanes_sum(l1);
-                s2 = lanes_sum(l2);
-                sa = lanes_sum(la);
+            for (; r < nr; r++) {
+                double v = cvt(xk[r]), av = std::fabs(v);
+                if (keep) bf[r] = v;
+                if (fused) t0[r] += v * w0;
+                am[r] = am[r] > av ? am[r] : av;
+                rq[r] += square<T>(v);
+                l1[0][0] += v;
+                l2[0][0] += square<T>(v);
+                la[0][0] += av;
             }
-            bsum[k] = s;
-            bsq[k] = s2;
-            if (need_abs) babs[k] = sa;
-            if (tm && !(fused && !pre)) {
+            bsum[k] = lanes_sum4(l1);
+            bsq[k] = lanes_sum4(l2);
+            if (need_abs) babs[k] = lanes_sum4(la);
+            if (keep)
                 for (i64 q = 0; q < S; q++) {
                     double w = rhs[q * K + k];
                     double* tq = tt.data() + q * nr;
                     for (i64 r = 0; r < nr; r++) tq[r] += buf[r] * w;
                 }
-            }
         }
         if (tm)
             for (i64 r = 0; r < nr; r++)
                 for (i64 q = 0; q < S; q++) tm[r * S + q] = tt[q * nr + r];
-        if (!pre)
-            for (i64 r = 0; r < nr; r++)
-                if (!fin(rsq[r])) {           // a non-finite element: its max, as torch takes it
-                    double m = 0.0;
-                    for (i64 k = 0; k < K; k++) m = nmax(m, std::fabs(at(i0 + r, k)));
-                    amax[r] = m;
-                }
+        for (i64 r = 0; r < nr; r++)
+            if (!fin(rsq[r])) redo_max(r);
     }
-    if (!pre) exps();
+}
+
+// A block's statistics from one pass, summed unscaled and scaled after by powers of two (exact: no
+// square leaves the normal range). Float64 blocks (pre) whose rows' exponents lie beyond
+// +-UNSCALED_EXP, or that hold a non-finite value, are done again from copies scaled first (a row
+// by its own exponent for its sums and predictions, the block by its largest for the per-k sums),
+// in the same loops: the same additions in the same order, so a block's statistics are those of
+// the block times any power of two (the copies: one block of float64, allocated then). Within
+// the range |x| < 2^401 keeps every square and sum finite, and only a value 2^110 or more below
+// its row's largest has a square below the normal range, far below the sums' rounding. (Scaling every block first took a pass of its own over it, and the block came from
+// L3 or memory a second time: float64 checks at 2048^3 and 4096^3 took 1.3x this way's time.)
+constexpr double UNSCALED_EXP = 400;
+template <typename T>
+static void stats_block(const T* x, i64 R, i64 K, i64 sr, i64 sk, i64 bs, i64 p, const i64* places,
+                        i64 np, const double* rhs, const double* rhsT, i64 S, bool need_abs, bool need_low,
+                        bool pre, StatsOut o, i64 rbase, i64 tbase, double* bsum, double* bsq, double* babs,
+                        double* buf, double* xb, double* tg, double* rowv) {
+    const i64 i0 = p * bs, i1 = std::min(R, i0 + bs), nr = i1 - i0;
+    const BlockPath path = (sr == 1 && sk != 1 && R > 1) ? COLS : sk == 1 ? ROWS : ROWS_STRIDED;
+    const bool pf = path == COLS && R * K * (i64)sizeof(T) >= PF_BYTES;
+    // per row (rowv: five rows' worth, the caller's per thread): max |x|, sum of squares, exponent,
+    // and the scaled copies' maxima and sums of squares
+    double *amax = rowv, *rsq = rowv + nr, *e = rowv + 2 * nr, *cmax = rowv + 3 * nr, *csq = rowv + 4 * nr;
+    double* tm = o.times ? o.times + (rbase + i0) * S : nullptr;
+    const T* xb0 = x + i0 * sr;
+    block_sums(xb0, nr, K, sr, sk, path, pf, rhs, rhsT, S, need_abs, tm, amax, rsq, bsum, bsq, babs, buf, xb, tg);
+    double E = 0.0;
+    auto exps = [&]() {
+        double Em = -INF;
+        for (i64 r = 0; r < nr; r++) {
+            e[r] = expo(amax[r]);
+            if (fin(amax[r]) && amax[r] > 0) Em = std::max(Em, e[r]);
+        }
+        E = fin(Em) ? Em : 0.0;
+    };
+    exps();
+    bool scaled = false;
+    for (i64 r = 0; pre && r < nr && !scaled; r++)
+        scaled = !fin(rsq[r]) || std::fabs(e[r]) > UNSCALED_EXP;
+    if (scaled) {
+        // copies of the block in float64, laid out as x is (so the same loops read them): scaled by
+        // each row's exponent, then by the block's
+        const bool cols = path == COLS;
+        std::vector<double> cp((size_t)nr * K);
+        const i64 csr = cols ? 1 : K, csk = cols ? nr : 1;
+        auto scaled_copy = [&](bool by_row) {
+            for (i64 r = 0; r < nr; r++) {
+                const double f = pow2(by_row ? -e[r] : -E);
+                for (i64 k = 0; k < K; k++) cp[r * csr + k * csk] = cvt(xb0[r * sr + k * sk]) * f;
+            }
+        };
+        scaled_copy(true);
+        block_sums(cp.data(), nr, K, csr, csk, path, false, rhs, rhsT, S, false, tm, cmax, rsq, bsum, bsq,
+                   babs, buf, xb, tg);
+        scaled_copy(false);
+        block_sums(cp.data(), nr, K, csr, csk, path, false, nullptr, nullptr, 0, need_abs, nullptr, cmax, csq,
+                   bsum, bsq, babs, buf, xb, tg);
+    }
     // per row
-    double bsc2 = pow2(-E);
     for (i64 r = 0; r < nr; r++) {
         i64 g = rbase + i0 + r;
-        double row = pre ? 1.0 : pow2(-e[r]);
+        double row = scaled ? 1.0 : pow2(-e[r]);
         o.e[g] = e[r];
         o.r1[g] = rsq[r] * (row * row);
         double sc = amax[r] * pow2(-e[r]);
         o.rinf[g] = sc * sc;
         o.finite[g] = fin(amax[r]);
-        if (tm && !pre)
+        if (tm)
             for (i64 q = 0; q < S; q++) tm[r * S + q] *= row;
     }
     // per block
-    double blk = pre ? 1.0 : bsc2, x1 = 0.0, xinf = 0.0, xs1 = 0.0, xsinf = 0.0;
+    double blk = scaled ? 1.0 : pow2(-E), x1 = 0.0, xinf = 0.0, xs1 = 0.0, xsinf = 0.0;
     double* so = o.s ? o.s + (tbase + p) * K : nullptr;
     double* ao = o.absum ? o.absum + (tbase + p) * K : nullptr;
     for (i64 k = 0; k < K; k++) {
@@ -1013,7 +951,7 @@ static void stats_sides(const StatsArgs* sd, int n, int nt) {
                                    std::vector<double>(K + 1), std::vector<double>(wbuf + 1),
                                    std::vector<double>(any_tiles ? ROWS_G * KC : 0),
                                    std::vector<double>(any_tiles ? ROWS_G * S8 : 0),
-                                   std::vector<double>(6 * rows + 1)}; },
+                                   std::vector<double>(5 * rows + 1)}; },
                  [&](i64 job, Bufs& w) {
             int i = 0;
             while (job >= first[i + 1]) i++;
@@ -1436,25 +1374,6 @@ struct Pending {
         n = 0;
     }
 };
-
-// A product kept rounded where it is computed (an empty asm the compiler cannot see through): the
-// sums below must add the rounded products, as they add them from a scaled copy, and the compiler
-// would otherwise fuse a product into the addition after it
-static inline v4d kept(v4d v) {
-#ifdef __AVX__
-    __asm__("" : "+x"(v));
-#else                                   // (SSE2: the four lanes in two registers)
-    typedef double v2d __attribute__((vector_size(16)));
-    v2d lo = {v[0], v[1]}, hi = {v[2], v[3]};
-    __asm__("" : "+x"(lo), "+x"(hi));
-    v = (v4d){lo[0], lo[1], hi[0], hi[1]};
-#endif
-    return v;
-}
-static inline double kept(double v) {
-    __asm__("" : "+x"(v));
-    return v;
-}
 
 // seg[j] = x[j] as float64 (KEEP) and the sums of x, x^2 and |x| over j < w, in LANES
 // accumulators each (held in registers: four vectors per sum); with MIN, *mn = min |x| (rows whose
