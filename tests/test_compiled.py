@@ -610,7 +610,8 @@ def test_an_output_in_either_layout_gives_the_same_bits(dtype):
 def test_float64_operands_out_of_the_unscaled_range_give_the_same_bits_as_in_it():
     """Float64 blocks are summed unscaled where their rows' exponents lie within +-400, and from
     copies scaled first where not (stats_block): both in the same loops, so A 2^j against B 2^-j
-    gives the bits of A against B on each side of the limit, in each operand layout (rows
+    gives the bits of A against B on each side of the limit (where no value, product or sum falls
+    below the normal range: there they may differ below 2^-1022), in each operand layout (rows
     contiguous, strided, K strided), with a non-finite row (scaled first at any exponent)."""
     g = torch.Generator().manual_seed(8)
     m, k, n = 70, 90, 80

@@ -557,14 +557,23 @@ static inline void prefetch_run(const T* p, i64 n) {
 // a float64 copy; COLS, rows contiguous and K strided (k outer, the block's rows inner).
 enum BlockPath { ROWS, ROWS_STRIDED, COLS };
 
+// A float64 row summed unscaled (stats_block) has its exponent within +-UNSCALED_EXP and finite sums
+constexpr double UNSCALED_EXP = 400;
+static inline bool out_of_range(double amax, double rsq) {
+    return !fin(rsq) || !fin(amax) || std::fabs(expo(amax)) > UNSCALED_EXP;
+}
+constexpr i64 PROBE_K = 32;           // where a trial over strided rows looks at their maxima so far
+
 // One pass over a block's nr rows (x: its first row; strides sr, sk), in their own type and
 // unscaled: per row max |x| (NaN dropped: a row whose sum of squares is not finite has it redone
 // as torch takes it) and sum of squares; per k the block's sums of x, x^2 and |x| (need_abs); with
-// tm, the rows' predictions x rhs^T (nr x S; rows_times with rhsT).
+// tm, the rows' predictions x rhs^T (nr x S; rows_times with rhsT). A trial (stats_block) stops,
+// false, at a row out of range, or strided rows with one out of range at their PROBE_K-th k.
 template <typename T>
-static void block_sums(const T* x, i64 nr, i64 K, i64 sr, i64 sk, BlockPath path, bool pf, const double* rhs,
+static bool block_sums(const T* x, i64 nr, i64 K, i64 sr, i64 sk, BlockPath path, bool pf, const double* rhs,
                        const double* rhsT, i64 S, bool need_abs, double* tm, double* amax, double* rsq,
-                       double* bsum, double* bsq, double* babs, double* buf, double* xb, double* tg) {
+                       double* bsum, double* bsq, double* babs, double* buf, double* xb, double* tg,
+                       bool trial = false) {
     std::fill(amax, amax + nr, 0.0);
     std::fill(rsq, rsq + nr, 0.0);
     std::fill(bsum, bsum + K, 0.0);
@@ -591,8 +600,10 @@ static void block_sums(const T* x, i64 nr, i64 K, i64 sr, i64 sk, BlockPath path
                 if (need_abs) row_pass<1, true>(x0, x0, K, bsum, bsq, babs, &amax[r], &rsq[r]);
                 else row_pass<1, false>(x0, x0, K, bsum, bsq, babs, &amax[r], &rsq[r]);
             }
-            for (i64 rr = r; rr < std::min(r + 2, nr); rr++)
+            for (i64 rr = r; rr < std::min(r + 2, nr); rr++) {
+                if (trial && out_of_range(amax[rr], rsq[rr])) return false;
                 if (!fin(rsq[rr])) redo_max(rr);
+            }
             if (tm && rhsT) {
                 const i64 rend = std::min(r + 2, nr);
                 if (rend - g0 >= ROWS_G || rend == nr) {
@@ -636,6 +647,7 @@ static void block_sums(const T* x, i64 nr, i64 K, i64 sr, i64 sk, BlockPath path
             }
             amax[r] = lanes_max(ml);
             rsq[r] = lanes_sum(sl);
+            if (trial && out_of_range(amax[r], rsq[r])) return false;
             if (!fin(rsq[r])) redo_max(r);
             if (need_abs)
                 for (i64 k = 0; k < K; k++) babs[k] += std::fabs(buf[k]);
@@ -648,11 +660,17 @@ static void block_sums(const T* x, i64 nr, i64 K, i64 sr, i64 sk, BlockPath path
         // rows strided, K strided by sk: walk k outer, the rows of the block inner (contiguous)
         std::vector<double> tt(tm ? nr * S : 0, 0.0);     // times, [q][r]
         const bool fused = tm && S == 1;
+        auto probe = [&]() {
+            for (i64 r = 0; r < nr; r++)
+                if (amax[r] > 0 && out_of_range(amax[r], rsq[r])) return false;
+            return true;
+        };
         i64 k = 0;
 #ifdef __AVX512F__
         // two values of k per pass over the rows' accumulators (half their loads and stores), each
         // k's sums in its own registers (24 of the 32), every sum in the order of the loop below
         for (; k + 2 <= K; k += 2) {
+            if (trial && k == PROBE_K && !probe()) return false;
             const T* xk = x + k * sk;
             double* __restrict am = amax;
             double* __restrict rq = rsq;
@@ -716,6 +734,7 @@ static void block_sums(const T* x, i64 nr, i64 K, i64 sr, i64 sk, BlockPath path
         }
 #endif
         for (; k < K; k++) {
+            if (trial && k == PROBE_K && !probe()) return false;
             const T* xk = x + k * sk;
             double* __restrict am = amax;
             double* __restrict rq = rsq;
@@ -770,18 +789,19 @@ static void block_sums(const T* x, i64 nr, i64 K, i64 sr, i64 sk, BlockPath path
         for (i64 r = 0; r < nr; r++)
             if (!fin(rsq[r])) redo_max(r);
     }
+    return true;
 }
 
-// A block's statistics from one pass, summed unscaled and scaled after by powers of two (exact: no
-// square leaves the normal range). Float64 blocks (pre) whose rows' exponents lie beyond
-// +-UNSCALED_EXP, or that hold a non-finite value, are done again from copies scaled first (a row
-// by its own exponent for its sums and predictions, the block by its largest for the per-k sums),
-// in the same loops: the same additions in the same order, so a block's statistics are those of
-// the block times any power of two (the copies: one block of float64, allocated then). Within
-// the range |x| < 2^401 keeps every square and sum finite, and only a value 2^110 or more below
-// its row's largest has a square below the normal range, far below the sums' rounding. (Scaling every block first took a pass of its own over it, and the block came from
-// L3 or memory a second time: float64 checks at 2048^3 and 4096^3 took 1.3x this way's time.)
-constexpr double UNSCALED_EXP = 400;
+// A block's statistics from one pass, summed unscaled and scaled after by powers of two. Float64
+// blocks (pre) are summed so only on trial (its rows' exponents within +-UNSCALED_EXP, finite);
+// a block out of that range is done again from float64 copies scaled first (a row by its own
+// exponent for its sums and predictions, the block by its largest for the per-k sums), in the
+// same loops, the same additions in the same order. Within the range |x| < 2^401 keeps every
+// square, product and sum finite, and scaling commutes with rounding but below the normal range:
+// the statistics of x and x 2^j are the same bits unless a square, a product with the predictions'
+// right-hand side or a block's sum falls there, and differ then by less than 2^-1022 in scaled
+// units, far below any threshold. (Scaling every block first took a pass of its own over it, and the block
+// came from L3 or memory a second time: float64 checks at 2048^3 and 4096^3 took 1.3x as long.)
 template <typename T>
 static void stats_block(const T* x, i64 R, i64 K, i64 sr, i64 sk, i64 bs, i64 p, const i64* places,
                         i64 np, const double* rhs, const double* rhsT, i64 S, bool need_abs, bool need_low,
@@ -795,7 +815,17 @@ static void stats_block(const T* x, i64 R, i64 K, i64 sr, i64 sk, i64 bs, i64 p,
     double *amax = rowv, *rsq = rowv + nr, *e = rowv + 2 * nr, *cmax = rowv + 3 * nr, *csq = rowv + 4 * nr;
     double* tm = o.times ? o.times + (rbase + i0) * S : nullptr;
     const T* xb0 = x + i0 * sr;
-    block_sums(xb0, nr, K, sr, sk, path, pf, rhs, rhsT, S, need_abs, tm, amax, rsq, bsum, bsq, babs, buf, xb, tg);
+    bool scaled = !block_sums(xb0, nr, K, sr, sk, path, pf, rhs, rhsT, S, need_abs, tm, amax, rsq, bsum, bsq,
+                              babs, buf, xb, tg, pre);
+    if (scaled) {                           // a trial stopped early: the rows' maxima, as torch takes them
+        std::fill(amax, amax + nr, 0.0);
+        if (path == COLS)
+            for (i64 k = 0; k < K; k++)
+                for (i64 r = 0; r < nr; r++) amax[r] = nmax(amax[r], std::fabs(cvt(xb0[r * sr + k * sk])));
+        else
+            for (i64 r = 0; r < nr; r++)
+                for (i64 k = 0; k < K; k++) amax[r] = nmax(amax[r], std::fabs(cvt(xb0[r * sr + k * sk])));
+    }
     double E = 0.0;
     auto exps = [&]() {
         double Em = -INF;
@@ -806,27 +836,34 @@ static void stats_block(const T* x, i64 R, i64 K, i64 sr, i64 sk, i64 bs, i64 p,
         E = fin(Em) ? Em : 0.0;
     };
     exps();
-    bool scaled = false;
-    for (i64 r = 0; pre && r < nr && !scaled; r++)
-        scaled = !fin(rsq[r]) || std::fabs(e[r]) > UNSCALED_EXP;
+    for (i64 r = 0; pre && r < nr && !scaled; r++) scaled = out_of_range(amax[r], rsq[r]);
     if (scaled) {
         // copies of the block in float64, laid out as x is (so the same loops read them): scaled by
-        // each row's exponent, then by the block's
+        // each row's exponent, then by the block's; a calling thread keeps up to 8 MB of them
         const bool cols = path == COLS;
-        std::vector<double> cp((size_t)nr * K);
+        thread_local std::vector<double> kept_cp;
+        std::vector<double> fresh_cp;
+        const size_t ncp = (size_t)nr * K;
+        std::vector<double>& cpv = ncp <= (size_t(1) << 20) ? kept_cp : fresh_cp;
+        if (cpv.size() < ncp) cpv.resize(ncp);
+        double* cp = cpv.data();
         const i64 csr = cols ? 1 : K, csk = cols ? nr : 1;
         auto scaled_copy = [&](bool by_row) {
-            for (i64 r = 0; r < nr; r++) {
-                const double f = pow2(by_row ? -e[r] : -E);
-                for (i64 k = 0; k < K; k++) cp[r * csr + k * csk] = cvt(xb0[r * sr + k * sk]) * f;
-            }
+            double* f = cmax;                // free until block_sums writes the copies' maxima there
+            for (i64 r = 0; r < nr; r++) f[r] = pow2(by_row ? -e[r] : -E);
+            if (cols)
+                for (i64 k = 0; k < K; k++)
+                    for (i64 r = 0; r < nr; r++) cp[r + k * csk] = cvt(xb0[r * sr + k * sk]) * f[r];
+            else
+                for (i64 r = 0; r < nr; r++)
+                    for (i64 k = 0; k < K; k++) cp[r * csr + k] = cvt(xb0[r * sr + k * sk]) * f[r];
         };
         scaled_copy(true);
-        block_sums(cp.data(), nr, K, csr, csk, path, false, rhs, rhsT, S, false, tm, cmax, rsq, bsum, bsq,
-                   babs, buf, xb, tg);
+        block_sums(cp, nr, K, csr, csk, path, false, rhs, rhsT, S, false, tm, cmax, rsq, bsum, bsq, babs, buf,
+                   xb, tg);
         scaled_copy(false);
-        block_sums(cp.data(), nr, K, csr, csk, path, false, nullptr, nullptr, 0, need_abs, nullptr, cmax, csq,
-                   bsum, bsq, babs, buf, xb, tg);
+        block_sums(cp, nr, K, csr, csk, path, false, nullptr, nullptr, 0, need_abs, nullptr, cmax, csq, bsum,
+                   bsq, babs, buf, xb, tg);
     }
     // per row
     for (i64 r = 0; r < nr; r++) {
