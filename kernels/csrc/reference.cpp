@@ -563,6 +563,13 @@ static inline bool out_of_range(double amax, double rsq) {
     return !fin(rsq) || !fin(amax) || std::fabs(expo(amax)) > UNSCALED_EXP;
 }
 constexpr i64 PROBE_K = 32;           // where a trial over strided rows looks at their maxima so far
+// max |x| of row r as torch takes it (NaN kept)
+template <typename T>
+static double row_nmax(const T* x, i64 sr, i64 sk, i64 r, i64 K) {
+    double m = 0.0;
+    for (i64 k = 0; k < K; k++) m = nmax(m, std::fabs(cvt(x[r * sr + k * sk])));
+    return m;
+}
 
 // One pass over a block's nr rows (x: its first row; strides sr, sk), in their own type and
 // unscaled: per row max |x| (NaN dropped: a row whose sum of squares is not finite has it redone
@@ -580,11 +587,7 @@ static bool block_sums(const T* x, i64 nr, i64 K, i64 sr, i64 sk, BlockPath path
     std::fill(bsq, bsq + K, 0.0);
     if (need_abs) std::fill(babs, babs + K, 0.0);
     if (tm) std::fill(tm, tm + nr * S, 0.0);
-    auto redo_max = [&](i64 r) {              // a non-finite element: the row's max, as torch takes it
-        double m = 0.0;
-        for (i64 k = 0; k < K; k++) m = nmax(m, std::fabs(cvt(x[r * sr + k * sk])));
-        amax[r] = m;
-    };
+    auto redo_max = [&](i64 r) { amax[r] = row_nmax(x, sr, sk, r, K); };   // a non-finite element
     if (path == ROWS) {
         // contiguous rows two at a time, read in their own type (no float64 copy): each pass
         // over the block's column accumulators adds two rows; with rhsT, the row predictions of
@@ -800,8 +803,9 @@ static bool block_sums(const T* x, i64 nr, i64 K, i64 sr, i64 sk, BlockPath path
 // square, product and sum finite, and scaling commutes with rounding but below the normal range:
 // the statistics of x and x 2^j are the same bits unless a square, a product with the predictions'
 // right-hand side or a block's sum falls there, and differ then by less than 2^-1022 in scaled
-// units, far below any threshold. (Scaling every block first took a pass of its own over it, and the block
-// came from L3 or memory a second time: float64 checks at 2048^3 and 4096^3 took 1.3x as long.)
+// units, far below any threshold. (Scaling every block first took a pass of its own over it, and
+// the block came from L3 or memory a second time: float64 checks at 2048^3 and 4096^3 took 1.3x
+// as long.)
 template <typename T>
 static void stats_block(const T* x, i64 R, i64 K, i64 sr, i64 sk, i64 bs, i64 p, const i64* places,
                         i64 np, const double* rhs, const double* rhsT, i64 S, bool need_abs, bool need_low,
@@ -817,25 +821,21 @@ static void stats_block(const T* x, i64 R, i64 K, i64 sr, i64 sk, i64 bs, i64 p,
     const T* xb0 = x + i0 * sr;
     bool scaled = !block_sums(xb0, nr, K, sr, sk, path, pf, rhs, rhsT, S, need_abs, tm, amax, rsq, bsum, bsq,
                               babs, buf, xb, tg, pre);
-    if (scaled) {                           // a trial stopped early: the rows' maxima, as torch takes them
-        std::fill(amax, amax + nr, 0.0);
-        if (path == COLS)
+    if (scaled) {                   // a trial stopped early: the rows' maxima, as torch takes them
+        if (path == COLS) {         // (in the block's own order)
+            std::fill(amax, amax + nr, 0.0);
             for (i64 k = 0; k < K; k++)
                 for (i64 r = 0; r < nr; r++) amax[r] = nmax(amax[r], std::fabs(cvt(xb0[r * sr + k * sk])));
-        else
-            for (i64 r = 0; r < nr; r++)
-                for (i64 k = 0; k < K; k++) amax[r] = nmax(amax[r], std::fabs(cvt(xb0[r * sr + k * sk])));
-    }
-    double E = 0.0;
-    auto exps = [&]() {
-        double Em = -INF;
-        for (i64 r = 0; r < nr; r++) {
-            e[r] = expo(amax[r]);
-            if (fin(amax[r]) && amax[r] > 0) Em = std::max(Em, e[r]);
+        } else {
+            for (i64 r = 0; r < nr; r++) amax[r] = row_nmax(xb0, sr, sk, r, K);
         }
-        E = fin(Em) ? Em : 0.0;
-    };
-    exps();
+    }
+    double Em = -INF;
+    for (i64 r = 0; r < nr; r++) {
+        e[r] = expo(amax[r]);
+        if (fin(amax[r]) && amax[r] > 0) Em = std::max(Em, e[r]);
+    }
+    const double E = fin(Em) ? Em : 0.0;
     for (i64 r = 0; pre && r < nr && !scaled; r++) scaled = out_of_range(amax[r], rsq[r]);
     if (scaled) {
         // copies of the block in float64, laid out as x is (so the same loops read them): scaled by
