@@ -170,6 +170,63 @@ static inline v4d load4(const f16_t* p) {
 }
 #endif
 
+// Eight consecutive elements as float64 lanes, one AVX-512 register, for the multiply-add loops
+// (thin_tile, rows_tile): vectorised across outputs, so their width changes no value. A Xeon
+// core here runs two 512-bit multiply-adds a cycle, as many as 256-bit ones (60 against 33 GFMA/s
+// a core in a register-only loop); Zen 4 splits a 512-bit operation in two. The passes that add
+// along a row (load_sums) gained nothing from them and keep four-lane vectors.
+#ifdef __AVX512F__
+#define ABFT_V8 1
+typedef double v8d __attribute__((vector_size(64)));
+typedef double v8d_u __attribute__((vector_size(64), aligned(8)));
+typedef long long v8i __attribute__((vector_size(64)));
+static inline v8d splat8(double x) { return (v8d){x, x, x, x, x, x, x, x}; }
+static inline v8d abs8(v8d x) { return (v8d)((v8i)x & ~(v8i)splat8(-0.0)); }
+static inline v8d load8(const double* p) { return *(const v8d_u*)p; }
+static inline void store8(double* p, v8d x) { *(v8d_u*)p = x; }
+static inline v8d load8(const float* p) { return (v8d)_mm512_cvtps_pd(_mm256_loadu_ps(p)); }
+static inline v8d load8(const bf16_t* p) {
+    __m128i h = _mm_loadu_si128((const __m128i*)p);
+    return (v8d)_mm512_cvtps_pd(_mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(h), 16)));
+}
+static inline v8d load8(const f16_t* p) {
+    return (v8d)_mm512_cvtps_pd(_mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)p)));
+}
+#endif
+// W consecutive elements (W = 4, or 8 with AVX-512) for the loops written for either width
+template <int W> struct vec { typedef v4d type; };
+#ifdef ABFT_V8
+template <> struct vec<8> { typedef v8d type; };
+#endif
+template <int W, typename T>
+static inline typename vec<W>::type load_w(const T* p) {
+    if constexpr (W == 4) return load4(p);
+#ifdef ABFT_V8
+    else return load8(p);
+#endif
+}
+template <int W>
+static inline void store_w(double* p, typename vec<W>::type x) {
+    if constexpr (W == 4) store4(p, x);
+#ifdef ABFT_V8
+    else store8(p, x);
+#endif
+}
+template <int W>
+static inline typename vec<W>::type splat_w(double x) {
+    if constexpr (W == 4) return splat(x);
+#ifdef ABFT_V8
+    else return splat8(x);
+#endif
+}
+template <int W>
+static inline typename vec<W>::type abs_w(typename vec<W>::type x) {
+    if constexpr (W == 4) return abs4(x);
+#ifdef ABFT_V8
+    else return abs8(x);
+#endif
+}
+
 // A product kept rounded where it is computed (an empty asm the compiler cannot see through): the
 // sums below must add the rounded products, as they add them from a scaled copy, and the compiler
 // would otherwise fuse a product into the addition after it
@@ -297,27 +354,25 @@ static void dots2(const V* v0, const V* v1, const double* rows, i64 n, i64 K, do
 
 // ---------------------------------------------------------------------------------------------
 // out[r * os + q] (+= where add) sum_k x[r * sx + k] yt[k * S8 + q] for k < kc, NR rows of x and
-// eight q: NR x 8 accumulators in registers over the k steps
-template <int NR>
+// eight q: NR x 8 accumulators in registers over the k steps, in vectors of W lanes
+template <int NR, int W = 4>
 static inline void rows_tile(const double* x, i64 sx, const double* yt, i64 S8, i64 kc, double* out, i64 os,
                              bool add) {
-    v4d acc[NR][2];
-    for (int r = 0; r < NR; r++) {
-        acc[r][0] = add ? load4(out + r * os) : splat(0.0);
-        acc[r][1] = add ? load4(out + r * os + 4) : splat(0.0);
-    }
+    typedef typename vec<W>::type V;
+    constexpr int NV = 8 / W;
+    V acc[NR][NV];
+    for (int r = 0; r < NR; r++)
+        for (int v = 0; v < NV; v++) acc[r][v] = add ? load_w<W>(out + r * os + W * v) : splat_w<W>(0.0);
     for (i64 k = 0; k < kc; k++) {
-        const v4d y0 = load4(yt + k * S8), y1 = load4(yt + k * S8 + 4);
+        V y[NV];
+        for (int v = 0; v < NV; v++) y[v] = load_w<W>(yt + k * S8 + W * v);
         for (int r = 0; r < NR; r++) {
-            const v4d a = splat(x[r * sx + k]);
-            acc[r][0] += a * y0;
-            acc[r][1] += a * y1;
+            const V a = splat_w<W>(x[r * sx + k]);
+            for (int v = 0; v < NV; v++) acc[r][v] += a * y[v];
         }
     }
-    for (int r = 0; r < NR; r++) {
-        store4(out + r * os, acc[r][0]);
-        store4(out + r * os + 4, acc[r][1]);
-    }
+    for (int r = 0; r < NR; r++)
+        for (int v = 0; v < NV; v++) store_w<W>(out + r * os + W * v, acc[r][v]);
 }
 
 // out (nr, S8) = x' (nr, K) @ yt (K, S8), S8 a multiple of 8, x' = x (rows of stride sr, K
@@ -344,6 +399,10 @@ static void rows_times(const T* x, i64 sr, i64 nr, i64 K, const double* yt, i64 
         for (i64 q = 0; q < S8; q += 8) {
             const double* y = yt + k0 * S8 + q;
             i64 r = 0;
+#ifdef ABFT_V8
+            // one eight-lane vector a row: twelve rows, twelve chains of multiply-adds
+            for (; r + 12 <= nr; r += 12) rows_tile<12, 8>(xb + r * KC, KC, y, S8, kc, out + r * S8 + q, S8, k0 > 0);
+#endif
             for (; r + 6 <= nr; r += 6) rows_tile<6>(xb + r * KC, KC, y, S8, kc, out + r * S8 + q, S8, k0 > 0);
             for (; r + 2 <= nr; r += 2) rows_tile<2>(xb + r * KC, KC, y, S8, kc, out + r * S8 + q, S8, k0 > 0);
             for (; r < nr; r++) rows_tile<1>(xb + r * KC, KC, y, S8, kc, out + r * S8 + q, S8, k0 > 0);
@@ -1044,39 +1103,41 @@ extern "C" int abft_stats2(const i64* dims0, const void* const* ptrs0, const i64
 }
 
 // ---------------------------------------------------------------------------------------------
-// out[p, j0:j0+4NV] += sum_{k0 <= k < k1} s[p, k] x[k, j0:j0+4NV] for NP rows of s (stride K), x's
-// rows contiguous (stride N), |x| where ABS, x times sc (4NV scales) where PRE: the NP x NV
-// accumulators held in registers over the K steps. Each output's sum is one chain of multiply-adds
-// in k order, whatever NP and NV (the same bits); NP x NV chains hide the multiply-add's latency.
+// out[p, j0:j0+W NV] += sum_{k0 <= k < k1} s[p, k] x[k, j0:j0+W NV] for NP rows of s (stride K), x's
+// rows contiguous (stride N), |x| where ABS, x times sc (W NV scales) where PRE: the NP x NV
+// accumulators of W lanes held in registers over the K steps. Each output's sum is one chain of
+// multiply-adds in k order, whatever NP, NV and W (the same bits); NP x NV chains hide the
+// multiply-add's latency.
 // Where pf is not 0, row k's columns at x + k N + pf are prefetched into L2 (the next chunk of K):
 // the tile goes down rows a cache line or more apart, which the hardware prefetchers follow too
 // late to keep up (a 2304-column B streamed at 7-8 GB/s without, 18 with).
-template <int NP, int NV, bool ABS, bool PRE, typename T>
+template <int NP, int NV, bool ABS, bool PRE, int W, typename T>
 static inline void thin_tile(const T* x, i64 N, const double* s, i64 K, i64 k0, i64 k1, const double* sc,
                              double* out, i64 pf) {
-    constexpr int LINES = (4 * NV * (int)sizeof(T) + 63) / 64;
-    v4d acc[NP][NV], scv[NV];
+    typedef typename vec<W>::type V;
+    constexpr int LINES = (W * NV * (int)sizeof(T) + 63) / 64;
+    V acc[NP][NV], scv[NV];
     for (int p = 0; p < NP; p++)
-        for (int v = 0; v < NV; v++) acc[p][v] = splat(0.0);
-    for (int v = 0; v < NV; v++) scv[v] = PRE ? load4(sc + 4 * v) : splat(1.0);
+        for (int v = 0; v < NV; v++) acc[p][v] = splat_w<W>(0.0);
+    for (int v = 0; v < NV; v++) scv[v] = PRE ? load_w<W>(sc + W * v) : splat_w<W>(1.0);
     for (i64 k = k0; k < k1; k++) {
         const T* xk = x + k * N;
         if (pf)
             for (int l = 0; l < LINES; l++) __builtin_prefetch(xk + pf + l * (64 / (int)sizeof(T)), 0, 1);
-        v4d xv[NV];
+        V xv[NV];
         for (int v = 0; v < NV; v++) {
-            xv[v] = load4(xk + 4 * v);
-            if (ABS) xv[v] = abs4(xv[v]);
+            xv[v] = load_w<W>(xk + W * v);
+            if (ABS) xv[v] = abs_w<W>(xv[v]);
             if (PRE) xv[v] *= scv[v];
         }
         for (int p = 0; p < NP; p++) {
-            const v4d a = splat(s[p * K + k]);
+            const V a = splat_w<W>(s[p * K + k]);
             for (int v = 0; v < NV; v++) acc[p][v] += a * xv[v];
         }
     }
     for (int p = 0; p < NP; p++) {
         double* o = out + p * N;
-        for (int v = 0; v < NV; v++) store4(o + 4 * v, load4(o + 4 * v) + acc[p][v]);
+        for (int v = 0; v < NV; v++) store_w<W>(o + W * v, load_w<W>(o + W * v) + acc[p][v]);
     }
 }
 
@@ -1090,13 +1151,28 @@ constexpr int THIN_ACC = 16;
 constexpr int THIN_ACC = 12;
 #endif
 constexpr i64 THIN_CW4 = THIN_ACC >= 16 ? 16 : 8;    // columns a tile for four rows of s or more
+#ifdef ABFT_V8
+constexpr i64 THIN_CW1 = 64;                          // and for one row
+#else
+constexpr i64 THIN_CW1 = 32;
+#endif
 template <int NV, bool ABS, bool PRE, typename T>
 static void thin_tiles(const T* x, i64 N, const double* s, i64 K, i64 TM, i64 k0, i64 k1, const double* sc,
                        double* out, i64 pf) {
+#ifdef ABFT_V8
+    // eight-lane tiles: NV / 2 vectors a row of s, up to eight rows (sixteen accumulators)
+    static_assert(NV % 2 == 0, "eight-lane tiles take columns eight at a time");
+    constexpr int G = 2 * THIN_ACC / NV < 8 ? 2 * THIN_ACC / NV : 8;
+#else
     constexpr int G = THIN_ACC / NV < 6 ? THIN_ACC / NV : 6;
+#endif
     i64 p = 0;
     auto tile = [&](auto np) {
-        thin_tile<decltype(np)::value, NV, ABS, PRE>(x, N, s + p * K, K, k0, k1, sc, out + p * N, pf);
+#ifdef ABFT_V8
+        thin_tile<decltype(np)::value, NV / 2, ABS, PRE, 8>(x, N, s + p * K, K, k0, k1, sc, out + p * N, pf);
+#else
+        thin_tile<decltype(np)::value, NV, ABS, PRE, 4>(x, N, s + p * K, K, k0, k1, sc, out + p * N, pf);
+#endif
         p += np;
         pf = 0;
     };
@@ -1139,13 +1215,14 @@ static void thin_t(const T* b, i64 K, i64 N, i64 sk, i64 sn, const double* s, i6
                 for (i64 k0 = 0; k0 < K; k0 += KT) {
                     const i64 k1 = std::min(K, k0 + KT), pf = stream && k1 < K ? KT * N : 0;
                     // columns in groups of 16 (8 for four rows of s or more without AVX-512) or
-                    // 32 (one row): eight or more chains of multiply-adds a tile
-                    const i64 cw = TM >= 4 ? THIN_CW4 : TM >= 2 ? 16 : 32;
+                    // 32 (one row; 64 in eight-lane tiles): eight or more chains of multiply-adds
+                    const i64 cw = TM >= 4 ? THIN_CW4 : TM >= 2 ? 16 : THIN_CW1;
                     i64 j = 0;
                     for (; j + cw <= w8; j += cw) {
                         const T* x = b + j0 + j;
                         double *o = out + j0 + j, *c = sc.data() + j;
-                        if (cw == 32) thin_cols<8>(absb, pre, x, N, s, K, TM, k0, k1, c, o, pf);
+                        if (cw == 64) thin_cols<16>(absb, pre, x, N, s, K, TM, k0, k1, c, o, pf);
+                        else if (cw == 32) thin_cols<8>(absb, pre, x, N, s, K, TM, k0, k1, c, o, pf);
                         else if (cw == 16) thin_cols<4>(absb, pre, x, N, s, K, TM, k0, k1, c, o, pf);
                         else thin_cols<2>(absb, pre, x, N, s, K, TM, k0, k1, c, o, pf);
                     }
@@ -1421,9 +1498,9 @@ static void load_sums(const T* __restrict x, i64 w, double* __restrict seg, doub
     // float64 squares rounded before they are added, on every path alike (those of other dtypes
     // are exact: fused or not, the same sums)
     constexpr bool SQ_KEPT = std::is_same<T, double>::value;
+    i64 j = 0;
     v4d a1[4], a2[4], aa[4], am[4];
     for (int u = 0; u < 4; u++) a1[u] = a2[u] = aa[u] = splat(0.0), am[u] = splat(INF);
-    i64 j = 0;
     for (; j + LANES <= w; j += LANES) {
         for (int u = 0; u < 4; u++) {
             const v4d v = SCALE ? kept(load4(x + j + 4 * u) * splat(sc)) : load4(x + j + 4 * u), m = abs4(v);
