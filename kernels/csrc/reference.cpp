@@ -1807,8 +1807,8 @@ static void check_t(CheckArgs g) {
                     z[0] = bias[0] * sr; z[1] = bias[1] * (sr * sr); z[2] = bias[2] * sr; z[3] = 0; z[4] = 0;
                 };
                 // four clean rows at a time straight from C where nothing else is summed per row
-                // (float32: no faster than the copy)
-                const bool fast = (std::is_same<T, double>::value || sizeof(T) == 2) && g.scn == 1 &&
+                // (float32 too: 0.96-0.99 of the time through the copy on a Xeon, the same on an EPYC)
+                const bool fast = g.scn == 1 &&
                                   (!has_d || (one_row && !pre));
                 i64 slow_until = i0;         // a group with an unclean row: its four rows one by one
                 for (i64 i = i0; i < i1; i++) {
