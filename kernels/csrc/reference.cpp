@@ -1221,8 +1221,12 @@ static void thin_t(const T* b, i64 K, i64 N, i64 sk, i64 sn, const double* s, i6
                     for (; j + cw <= w8; j += cw) {
                         const T* x = b + j0 + j;
                         double *o = out + j0 + j, *c = sc.data() + j;
-                        if (cw == 64) thin_cols<16>(absb, pre, x, N, s, K, TM, k0, k1, c, o, pf);
-                        else if (cw == 32) thin_cols<8>(absb, pre, x, N, s, K, TM, k0, k1, c, o, pf);
+                        if constexpr (THIN_CW1 == 64)      // (eight-lane tiles only)
+                            if (cw == 64) {
+                                thin_cols<16>(absb, pre, x, N, s, K, TM, k0, k1, c, o, pf);
+                                continue;
+                            }
+                        if (cw == 32) thin_cols<8>(absb, pre, x, N, s, K, TM, k0, k1, c, o, pf);
                         else if (cw == 16) thin_cols<4>(absb, pre, x, N, s, K, TM, k0, k1, c, o, pf);
                         else thin_cols<2>(absb, pre, x, N, s, K, TM, k0, k1, c, o, pf);
                     }
