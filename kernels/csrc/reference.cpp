@@ -1223,7 +1223,12 @@ static void thin_t(const T* b, i64 K, i64 N, i64 sk, i64 sn, const double* s, i6
     if (sn == 1 && N >= 8) {
         // rows of b contiguous: strips of W columns, K in chunks of KT rows (a strip's chunk, 128 KB
         // of float32, stays in L2 for the groups of rows of s), a tile's accumulators in registers
-        const i64 W = 256, KT = 128, strips = (N + W - 1) / W;
+        // (strips of at most 256 columns, as many as a multiple of the threads where the columns
+        // allow: a product of 256 to 768 columns no longer leaves a thread idle; a column's sum
+        // does not depend on its strip)
+        const int th = threads_for(nt, (double)TM * K * N);
+        const i64 KT = 128, per = (N + 255) / 256, even = (per + th - 1) / th * th,
+                  W = std::max<i64>(16, ((N + even - 1) / even + 15) / 16 * 16), strips = (N + W - 1) / W;
         // prefetch the next chunk where b comes from memory (PF_BYTES; a b of 6 MB: 1-3% slower
         // with it in a loop here; 16-21 MB: 13-24% faster)
         const bool stream = K * N * (i64)sizeof(T) >= PF_BYTES;
@@ -1266,8 +1271,7 @@ static void thin_t(const T* b, i64 K, i64 N, i64 sk, i64 sn, const double* s, i6
                     for (i64 p = 0; p < TM; p++)
                         for (i64 j = 0; j < w; j++) out[p * N + j0 + j] *= sc[j];
         };
-        parallel_for(threads_for(nt, (double)TM * K * N), strips,
-                     [&] { return std::vector<double>(W + 8); }, strip);
+        parallel_for(th, strips, [&] { return std::vector<double>(W + 8); }, strip);
     } else if (sn == 1 || sk != 1) {
         // rows of b contiguous (or neither): out[:, strip] += s[:, k] * b[k, strip]
         i64 W = std::min(N, std::max<i64>(16, std::min<i64>(512, (1 << 11) / std::max<i64>(TM, 1))));
