@@ -171,11 +171,12 @@ static inline v4d load4(const f16_t* p) {
 #endif
 
 // Eight consecutive elements as float64 lanes, one AVX-512 register, for the multiply-add loops
-// (thin_tile, rows_tile): vectorised across outputs, so their width changes no value. A Xeon
+// (thin_tile, rows_tile): vectorised across outputs, so their width changes no value (but the
+// sign of a NaN where two NaNs meet in a multiply-add: GCC orders its operands per width). A Xeon
 // core here runs two 512-bit multiply-adds a cycle, as many as 256-bit ones (60 against 33 GFMA/s
 // a core in a register-only loop); Zen 4 splits a 512-bit operation in two. The passes that add
 // along a row (load_sums) gained nothing from them and keep four-lane vectors.
-#ifdef __AVX512F__
+#if defined(__AVX512F__) && defined(__F16C__)
 #define ABFT_V8 1
 typedef double v8d __attribute__((vector_size(64)));
 typedef double v8d_u __attribute__((vector_size(64), aligned(8)));
@@ -194,7 +195,10 @@ static inline v8d load8(const f16_t* p) {
 }
 #endif
 // W consecutive elements (W = 4, or 8 with AVX-512) for the loops written for either width
-template <int W> struct vec { typedef v4d type; };
+template <int W> struct vec {
+    static_assert(W == 4, "eight lanes need AVX-512");
+    typedef v4d type;
+};
 #ifdef ABFT_V8
 template <> struct vec<8> { typedef v8d type; };
 #endif
@@ -1226,9 +1230,12 @@ static void thin_t(const T* b, i64 K, i64 N, i64 sk, i64 sn, const double* s, i6
         // (strips of at most 256 columns, as many as a multiple of the threads where the columns
         // allow: a product of 256 to 768 columns no longer leaves a thread idle; a column's sum
         // does not depend on its strip)
+        // (a multiple of the tiles' width, so only the last strip has narrower tiles)
         const int th = threads_for(nt, (double)TM * K * N);
+        const i64 cw = TM >= 4 ? THIN_CW4 : TM >= 2 ? 16 : THIN_CW1;
         const i64 KT = 128, per = (N + 255) / 256, even = (per + th - 1) / th * th,
-                  W = std::max<i64>(16, ((N + even - 1) / even + 15) / 16 * 16), strips = (N + W - 1) / W;
+                  W = std::min<i64>(256, std::max<i64>(cw, ((N + even - 1) / even + cw - 1) / cw * cw)),
+                  strips = (N + W - 1) / W;
         // prefetch the next chunk where b comes from memory (PF_BYTES; a b of 6 MB: 1-3% slower
         // with it in a loop here; 16-21 MB: 13-24% faster)
         const bool stream = K * N * (i64)sizeof(T) >= PF_BYTES;
@@ -1238,9 +1245,8 @@ static void thin_t(const T* b, i64 K, i64 N, i64 sk, i64 sn, const double* s, i6
                 for (i64 p = 0; p < TM; p++) std::fill(out + p * N + j0, out + p * N + j0 + w, 0.0);
                 for (i64 k0 = 0; k0 < K; k0 += KT) {
                     const i64 k1 = std::min(K, k0 + KT), pf = stream && k1 < K ? KT * N : 0;
-                    // columns in groups of 16 (8 for four rows of s or more without AVX-512) or
-                    // 32 (one row; 64 in eight-lane tiles): eight or more chains of multiply-adds
-                    const i64 cw = TM >= 4 ? THIN_CW4 : TM >= 2 ? 16 : THIN_CW1;
+                    // columns in groups of cw: 16 (8 for four rows of s or more without AVX-512)
+                    // or 32 (one row; 64 in eight-lane tiles): eight or more chains of multiply-adds
                     i64 j = 0;
                     for (; j + cw <= w8; j += cw) {
                         const T* x = b + j0 + j;
