@@ -1165,9 +1165,10 @@ static inline void thin_tile(const T* x, i64 N, const double* s, i64 K, i64 k0, 
 }
 
 // thin_tile for all TM rows of s, G at a time, then what remains in fewer; the first group
-// prefetches. G x NV accumulators: sixteen of the 32 vector registers with AVX-512 (16 columns,
-// four rows), twelve of the sixteen without (8 columns, six rows). One tile of fewer than
-// four rows leaves the multiply-add units waiting (one of 8 columns: four chains).
+// prefetches. G x NV accumulators: sixteen of the 32 vector registers with AVX-512 (16 columns:
+// eight rows in eight-lane tiles, four in four-lane ones), twelve of the sixteen without (8
+// columns, six rows). One tile of fewer than four rows leaves the multiply-add units waiting
+// (one of 8 columns: four chains).
 #ifdef __AVX512F__
 constexpr int THIN_ACC = 16;
 #else
@@ -1175,27 +1176,21 @@ constexpr int THIN_ACC = 12;
 #endif
 constexpr i64 THIN_CW4 = THIN_ACC >= 16 ? 16 : 8;    // columns a tile for four rows of s or more
 #ifdef ABFT_V8
-constexpr i64 THIN_CW1 = 64;                          // and for one row
+constexpr int THIN_W = 8;                             // the tiles' lanes
 #else
-constexpr i64 THIN_CW1 = 32;
+constexpr int THIN_W = 4;
 #endif
+constexpr i64 THIN_CW1 = 8 * THIN_W;                  // columns a tile for one row of s
 template <int NV, bool ABS, bool PRE, typename T>
 static void thin_tiles(const T* x, i64 N, const double* s, i64 K, i64 TM, i64 k0, i64 k1, const double* sc,
                        double* out, i64 pf) {
-#ifdef ABFT_V8
-    // eight-lane tiles: NV / 2 vectors a row of s, up to eight rows (sixteen accumulators)
-    static_assert(NV % 2 == 0, "eight-lane tiles take columns eight at a time");
-    constexpr int G = 2 * THIN_ACC / NV < 8 ? 2 * THIN_ACC / NV : 8;
-#else
-    constexpr int G = THIN_ACC / NV < 6 ? THIN_ACC / NV : 6;
-#endif
+    // NV: groups of four columns; NW vectors of THIN_W lanes a row of s
+    static_assert(NV * 4 % THIN_W == 0, "a tile's columns fill its vectors");
+    constexpr int NW = NV * 4 / THIN_W, GMAX = THIN_W == 8 ? 8 : 6,
+                  G = THIN_ACC / NW < GMAX ? THIN_ACC / NW : GMAX;
     i64 p = 0;
     auto tile = [&](auto np) {
-#ifdef ABFT_V8
-        thin_tile<decltype(np)::value, NV / 2, ABS, PRE, 8>(x, N, s + p * K, K, k0, k1, sc, out + p * N, pf);
-#else
-        thin_tile<decltype(np)::value, NV, ABS, PRE, 4>(x, N, s + p * K, K, k0, k1, sc, out + p * N, pf);
-#endif
+        thin_tile<decltype(np)::value, NW, ABS, PRE, THIN_W>(x, N, s + p * K, K, k0, k1, sc, out + p * N, pf);
         p += np;
         pf = 0;
     };
@@ -1531,9 +1526,9 @@ static void load_sums(const T* __restrict x, i64 w, double* __restrict seg, doub
     // float64 squares rounded before they are added, on every path alike (those of other dtypes
     // are exact: fused or not, the same sums)
     constexpr bool SQ_KEPT = std::is_same<T, double>::value;
-    i64 j = 0;
     v4d a1[4], a2[4], aa[4], am[4];
     for (int u = 0; u < 4; u++) a1[u] = a2[u] = aa[u] = splat(0.0), am[u] = splat(INF);
+    i64 j = 0;
     for (; j + LANES <= w; j += LANES) {
         for (int u = 0; u < 4; u++) {
             const v4d v = SCALE ? kept(load4(x + j + 4 * u) * splat(sc)) : load4(x + j + 4 * u), m = abs4(v);
