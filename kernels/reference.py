@@ -138,6 +138,15 @@ def _count_blocks(mask, bs, dim):
     return (parts[0] if len(parts) == 1 else torch.cat(parts, dim)).to(F64)
 
 
+def _scaled(z, ex):
+    """z 2^-ex, exactly where the result is a double: 2^-ex itself overflows past 2^1023 (z tiny,
+    from operands near 2^-1000 and 2^-30), so the factor is applied as 2^-ex = 2^min(-ex, 1000)
+    times the rest (1 unless past 2^1000). The compiled check's pass over C scales so."""
+    x = -ex
+    hi = x.clamp(max=1000.0)
+    return z * torch.exp2(hi) * torch.exp2(x - hi)
+
+
 def _output_sums(c, addend, ast, bst, bm, bn):
     """One pass over C (and the addend) in row chunks, for column sums (..., TM, N) in units of
     2^(E_p + f_j) and row sums (..., M, TN) in units of 2^(e_i + F_q). Returns per side the sums of
@@ -168,8 +177,8 @@ def _output_sums(c, addend, ast, bst, bm, bn):
         for i, z in enumerate(chunks):
             h = half if i == 0 else None
             if pre:
-                zc = z * torch.exp2(-E_rows[..., r0:r0 + step]).unsqueeze(-1) * torch.exp2(-bst.e).unsqueeze(-2)
-                zr = z * torch.exp2(-ast.e[..., r0:r0 + step]).unsqueeze(-1) * torch.exp2(-F_cols).unsqueeze(-2)
+                zc = _scaled(z, E_rows[..., r0:r0 + step].unsqueeze(-1) + bst.e.unsqueeze(-2))
+                zr = _scaled(z, ast.e[..., r0:r0 + step].unsqueeze(-1) + F_cols.unsqueeze(-2))
                 parts_c += _reduce(_elementwise(zc, h), bm, -2)
                 parts_r += _reduce(_elementwise(zr, h), bn, -1)
             else:

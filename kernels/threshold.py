@@ -59,8 +59,10 @@ FLOOR = 2.0 ** -100         # the least threshold, in scaled units (data there i
 UNIT = {torch.float64: 2.0 ** -53, torch.float32: 2.0 ** -24,
         torch.float16: 2.0 ** -11, torch.bfloat16: 2.0 ** -8}
 TF32_UNIT = 2.0 ** -11
-# Half the smallest subnormal: the absolute rounding of a result that underflows.
-_ETA = {torch.float64: 2.0 ** -1075, torch.float32: 2.0 ** -150,
+# Half the smallest subnormal: the absolute rounding of a result that underflows. float64's half
+# (2^-1075) is no double (it rounds to 0, which left float64 without an allowance): the smallest
+# subnormal itself bounds it.
+_ETA = {torch.float64: 2.0 ** -1074, torch.float32: 2.0 ** -150,
         torch.float16: 2.0 ** -25, torch.bfloat16: 2.0 ** -134}
 
 
@@ -268,11 +270,14 @@ def threshold(c, *, s1, s2, sa, pred, x1, xinf, xs1, xsinf, y1, yinf, nu, low, e
 
 def _underflow(c, ex, ey, x1, y1, nout, exp2, sqrt):
     """Deterministic underflow allowance in scaled units: eta_acc per product term, eta_out per
-    stored element below the normal range, flushed inputs (the scale exponents are clamped so that
-    2^-e stays finite)."""
-    e = -(ex + ey)
-    e = e.clamp(-1000.0, 900.0) if isinstance(e, torch.Tensor) else e
-    uf = (c.bs * c.k * c.eta_acc + nout * c.eta_out) * exp2(e)
+    stored element below the normal range, flushed inputs. 2^e, e = -(ex + ey) clamped to
+    [-1000, 1900], is applied in two factors, 2^min(e, 900) and the rest: 2^e alone overflows where
+    e passes 1023 (float64 operands near 2^-1000 and 2^-60), and the allowance it scales does not
+    (the compiled check's ``threshold4`` does the same)."""
+    e = (-(ex + ey)).clamp(min=-1000.0)
+    e1 = e.clamp(max=900.0)
+    e2 = (e - e1).clamp(max=1000.0)
+    uf = (c.bs * c.k * c.eta_acc + nout * c.eta_out) * exp2(e1) * exp2(e2)
     if c.ftz:
         uf = uf + c.ftz * (c.bs * exp2(-ex) * sqrt(c.k * y1) + exp2(-ey) * sqrt(c.bs * c.k * x1))
     return uf

@@ -642,3 +642,33 @@ def test_float64_operands_out_of_the_unscaled_range_give_the_same_bits_as_in_it(
                     assert all(bits_equal(got[2][q], want[2][q]) for q in want[2]), (a_form, b_form, nan, j, q)
                     n_cases += 1
     assert n_cases == 60
+
+
+@pytest.mark.parametrize("layout", ["rows", "columns"])
+def test_float64_products_that_underflow_do_not_alarm(layout):
+    """A float64 product whose terms fall below the normal range (A near 2^-1000 against B's
+    columns of 2^-80 to 2^60) is rounded by up to the smallest subnormal a term: the underflow
+    allowance covers it in units of 2^(e_A + e_B) below 2^-1023 (the scale 2^-(e_A + e_B), past
+    2^1023, applied in two factors in both checks), and neither check alarms nor leaves a sum
+    unverified. Before: float64's allowance was 0 (2^-1075 is no double), the torch check alarmed
+    (ratios up to 1e10) and the compiled one overflowed its scale (unverified, or NONFINITE)."""
+    g = torch.Generator().manual_seed(3)
+    n_cases = 0
+    for trial in range(40):
+        m, k, n = (int(x) for x in torch.randint(1, 40, (3,), generator=g))
+        a = torch.randn(m, k, generator=g, dtype=torch.float64) * 2.0 ** -1000
+        b = torch.randn(k, n, generator=g, dtype=torch.float64) \
+            * torch.exp2(torch.randint(-60, 61, (1, n), generator=g).double()
+                         + torch.randint(-20, 1, (k, n), generator=g).double())
+        if layout == "columns":
+            a = a.mT.contiguous().mT
+        c = a @ b
+        kw = dict(bm=16, bn=16, units=reference.units_for(c), return_sums=True)
+        want = reference.check_torch(a, b, c, **kw)
+        got = reference.check(a, b, c, **kw)
+        for v in (want[0], got[0]):
+            assert not L.alarmed(v).any(), (trial, v)
+            assert (v[..., L.STATUS] == L.OK).all(), (trial, v)
+        assert differences(got, want, f64=True) == [], trial
+        n_cases += 1
+    assert n_cases == 40

@@ -1442,10 +1442,14 @@ static inline __attribute__((always_inline)) v4d threshold4(const double* c, v4d
     else bad |= ~fin4(sa);
     thr = sel(bad, splat(NaN), thr);
     if (c[OUT_ADD] != 0 && has_d) thr += c[OUT_ADD] * da;
-    v4d e = -(ex + ey);                                           // std::min(900, std::max(-1000, e))
+    // 2^e in two finite factors, 2^min(e, 900) then the rest (threshold._underflow)
+    v4d e = -(ex + ey);
     e = sel(splat(-1000.0) < e, e, splat(-1000.0));
-    e = sel(e < splat(900.0), e, splat(900.0));
-    v4d uf = (c[BS] * c[KK] * c[ETA_ACC] + nout * c[ETA_OUT]) * pow2_4(e);
+    const v4d e1 = sel(e < splat(900.0), e, splat(900.0));
+    v4d e2 = e - e1;
+    e2 = sel(e2 < splat(1000.0), e2, splat(1000.0));
+    v4d uf = (c[BS] * c[KK] * c[ETA_ACC] + nout * c[ETA_OUT]) * pow2_4(e1);
+    if (e2[0] + e2[1] + e2[2] + e2[3] > 0) uf *= pow2_4(e2);
     if (c[FTZ] != 0)
         uf += c[FTZ] * (c[BS] * pow2(-ex) * sqrt4(c[KK] * y1) +
                         pow2_4(-ey) * std::sqrt(c[BS] * c[KK] * x1));
@@ -1817,7 +1821,20 @@ static void check_t(CheckArgs g) {
             {
                 const i64 j0 = q * bn, w = std::min(N, j0 + bn) - j0;
                 std::fill(cz.begin(), cz.end(), 0.0);
-                for (i64 j = 0; j < w; j++) scol[j] = pow2(-(EA[p] + fB[j0 + j]));
+                // float64 C is scaled as it is read, by 2^x = 2^min(x, 1000) 2^(x - min(x, 1000)):
+                // 2^x alone overflows past 2^1023 where the scaled value does not (reference._scaled)
+                bool split = false;
+                for (i64 j = 0; j < w; j++) {
+                    const double x = -(EA[p] + fB[j0 + j]);
+                    scol[j] = pow2(std::min(x, 1000.0));
+                    split |= pre && x > 1000.0;
+                }
+                for (i64 i = i0; pre && i < i1; i++) split |= -(eA[i] + FB[q]) > 1000.0;
+                std::vector<double> scol2(split ? w : 0);
+                for (i64 j = 0; split && j < w; j++) {
+                    const double x = -(EA[p] + fB[j0 + j]);
+                    scol2[j] = pow2(x - std::min(x, 1000.0));
+                }
                 const double srow = pow2(-FB[q]);
                 Pending pend[2];
                 // an addend repeated down the rows (a bias), finite, summed unscaled: its row sums
@@ -1836,7 +1853,7 @@ static void check_t(CheckArgs g) {
                 };
                 // four clean rows at a time straight from C where nothing else is summed per row
                 // (float32 too: 0.96-0.99 of the time through the copy on a Xeon, the same on an EPYC)
-                const bool fast = g.scn == 1 &&
+                const bool fast = g.scn == 1 && !split &&
                                   (!has_d || (one_row && !pre));
                 i64 slow_until = i0;         // a group with an unclean row: its four rows one by one
                 for (i64 i = i0; i < i1; i++) {
@@ -1885,7 +1902,16 @@ static void check_t(CheckArgs g) {
                         double* z0 = cz.data() + src * 5 * bn;
                         // the values as each side sums them (float64: scaled first)
                         const double *vc = seg, *vr = seg;
-                        if (pre) {
+                        if (pre && split) {               // scaled in two factors (above)
+                            const double x = -(eA[i] + FB[q]), hi = std::min(x, 1000.0);
+                            const double r1 = pow2(hi), r2 = pow2(x - hi);
+                            for (i64 j = 0; j < w; j++) {
+                                zc[j] = seg[j] * scol[j] * scol2[j];
+                                zr[j] = seg[j] * r1 * r2;
+                            }
+                            vc = zc;
+                            vr = zr.data();
+                        } else if (pre) {
                             for (i64 j = 0; j < w; j++) {
                                 zc[j] = seg[j] * scol[j];
                                 zr[j] = seg[j] * sr;
