@@ -144,7 +144,7 @@ class Coefficients:
     ftz: float          # flushed subnormal inputs (smallest normal of the input dtype)
     w_t: float          # worst case per T
     w_sa: float         # worst case per sum |C|
-    w_da: float         # worst case per sum |addend|
+    w_da: float         # worst case per sum |addend| (it may ride the whole accumulation)
     w_scale: float      # the worst case's final factor (a little below the rigorous bound)
     cap: bool           # K <= SMALL_K: cap by the worst case
 
@@ -184,7 +184,9 @@ def coefficients(u, *, k, bs, acc, chk=None, lam=None, scaled_addend=False, spli
         eta_log2=float(split[0]), eta_absolute=1.0 if split[1] else 0.0,
         out=gamma(1, u.out), out_add=2 * u.out if scaled_addend else 0.0, eta_acc=u.eta_acc, eta_out=u.eta_out, ftz=u.ftz,
         w_t=gamma(n + m - 1, unit_w) + gamma(k, u.chk) + gamma(bs, u.chk) + 2 * u.tf,
-        w_sa=gamma(1, u.out) + gamma(bs, u.chk), w_da=u.acc + gamma(bs, u.chk),
+        # the addend may start the accumulation (MKL's small float32 addmm does): each of its
+        # steps rounds at the addend's magnitude too, not one step
+        w_sa=gamma(1, u.out) + gamma(bs, u.chk), w_da=gamma(n + m - 1, unit_w) + gamma(bs, u.chk),
         w_scale=1 - 8 * u.chk, cap=k <= SMALL_K)
 
 
