@@ -42,7 +42,9 @@ when an operand is scaled by a power of two. In those units the Hoelder bound is
 any nonzero block and column, so a threshold never collapses to its floor.
 
 For K <= SMALL_K the threshold is capped by the deterministic worst-case bound built from the exact
-T = sum_i sum_k |x_ik| |y_kj| (cheap at small K), plus the underflow allowance (term 5).
+T = sum_i sum_k |x_ik| |y_kj| (cheap at small K), an addend's magnitudes (a GEMM may start its
+accumulator at the addend: every step then rounds at its size), plus the underflow allowance
+(term 5).
 
 The host computes the scalar coefficients (``coefficients``); ``threshold`` (torch) and
 ``threshold_tl`` (Triton) evaluate the same expression, term for term, on per-sum tensors.
