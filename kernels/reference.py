@@ -139,12 +139,10 @@ def _count_blocks(mask, bs, dim):
 
 
 def _scaled(z, ex):
-    """z 2^-ex, exactly where the result is a double: 2^-ex itself overflows past 2^1023 (z tiny,
-    from operands near 2^-1000 and 2^-30), so the factor is applied as 2^-ex = 2^min(-ex, 1000)
-    times the rest (1 unless past 2^1000). The compiled check's pass over C scales so."""
-    x = -ex
-    hi = x.clamp(max=1000.0)
-    return z * torch.exp2(hi) * torch.exp2(x - hi)
+    """z 2^-ex, exactly where the result is a double (``threshold.pow2_factors``: 2^-ex itself
+    overflows for tiny z)."""
+    hi, lo = T.pow2_factors(-ex)
+    return z * hi * lo
 
 
 def _output_sums(c, addend, ast, bst, bm, bn):

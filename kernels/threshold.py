@@ -272,16 +272,24 @@ def threshold(c, *, s1, s2, sa, pred, x1, xinf, xs1, xsinf, y1, yinf, nu, low, e
     return torch.clamp(thr, min=FLOOR)
 
 
+POW2_SPLIT = 1000.0
+
+
+def pow2_factors(x):
+    """(2^min(x, POW2_SPLIT), 2^(x - min(x, POW2_SPLIT))) for x (float64, at most 2000: a sum of
+    two exponents clamped to +-1000): 2^x alone overflows past 2^1023 where a value it scales
+    does not (float64 operands near 2^-1000 and 2^-60). v * hi * lo is v 2^x exactly wherever that
+    is a double. The compiled check splits so too (``pow2_hi``, ``pow2_lo``)."""
+    hi = x.clamp(max=POW2_SPLIT)
+    return torch.exp2(hi), torch.exp2(x - hi)
+
+
 def _underflow(c, ex, ey, x1, y1, nout, exp2, sqrt):
     """Deterministic underflow allowance in scaled units: eta_acc per product term, eta_out per
-    stored element below the normal range, flushed inputs. 2^e, e = -(ex + ey) clamped to
-    [-1000, 1900], is applied in two factors, 2^min(e, 900) and the rest: 2^e alone overflows where
-    e passes 1023 (float64 operands near 2^-1000 and 2^-60), and the allowance it scales does not
-    (the compiled check's ``threshold4`` does the same)."""
-    e = (-(ex + ey)).clamp(min=-1000.0)
-    e1 = e.clamp(max=900.0)
-    e2 = (e - e1).clamp(max=1000.0)
-    uf = (c.bs * c.k * c.eta_acc + nout * c.eta_out) * exp2(e1) * exp2(e2)
+    stored element below the normal range, flushed inputs; its 2^-(ex + ey) (at least 2^-1000) in
+    two factors (``pow2_factors``)."""
+    hi, lo = pow2_factors((-(ex + ey)).clamp(min=-1000.0))
+    uf = (c.bs * c.k * c.eta_acc + nout * c.eta_out) * hi * lo
     if c.ftz:
         uf = uf + c.ftz * (c.bs * exp2(-ex) * sqrt(c.k * y1) + exp2(-ey) * sqrt(c.bs * c.k * x1))
     return uf

@@ -93,6 +93,12 @@ static inline double pow2(double e) {
     return std::ldexp(1.0, (int)std::max(-4000.0, std::min(4000.0, e)));
 }
 
+// 2^x as 2^min(x, POW2_SPLIT) times 2^(x - min(x, POW2_SPLIT)) (threshold.pow2_factors): 2^x
+// alone overflows past 2^1023 where a value it scales does not; v * hi * lo is v 2^x exactly
+constexpr double POW2_SPLIT = 1000.0;
+static inline double pow2_hi(double x) { return pow2(std::min(x, POW2_SPLIT)); }
+static inline double pow2_lo(double x) { return pow2(x - std::min(x, POW2_SPLIT)); }
+
 static int threads_for(int nt, double work) { return work < 3e4 ? 1 : nt; }
 
 #ifdef ABFT_PROFILE
@@ -1442,14 +1448,13 @@ static inline __attribute__((always_inline)) v4d threshold4(const double* c, v4d
     else bad |= ~fin4(sa);
     thr = sel(bad, splat(NaN), thr);
     if (c[OUT_ADD] != 0 && has_d) thr += c[OUT_ADD] * da;
-    // 2^e in two finite factors, 2^min(e, 900) then the rest (threshold._underflow)
+    // 2^-(ex + ey), at least 2^-1000, in two factors (pow2_hi, pow2_lo; threshold._underflow)
     v4d e = -(ex + ey);
     e = sel(splat(-1000.0) < e, e, splat(-1000.0));
-    const v4d e1 = sel(e < splat(900.0), e, splat(900.0));
-    v4d e2 = e - e1;
-    e2 = sel(e2 < splat(1000.0), e2, splat(1000.0));
-    v4d uf = (c[BS] * c[KK] * c[ETA_ACC] + nout * c[ETA_OUT]) * pow2_4(e1);
-    if (e2[0] + e2[1] + e2[2] + e2[3] > 0) uf *= pow2_4(e2);
+    v4d uf = (c[BS] * c[KK] * c[ETA_ACC] + nout * c[ETA_OUT]) *
+             (v4d){pow2_hi(e[0]), pow2_hi(e[1]), pow2_hi(e[2]), pow2_hi(e[3])};
+    if (e[0] > POW2_SPLIT || e[1] > POW2_SPLIT || e[2] > POW2_SPLIT || e[3] > POW2_SPLIT)
+        uf *= (v4d){pow2_lo(e[0]), pow2_lo(e[1]), pow2_lo(e[2]), pow2_lo(e[3])};
     if (c[FTZ] != 0)
         uf += c[FTZ] * (c[BS] * pow2(-ex) * sqrt4(c[KK] * y1) +
                         pow2_4(-ey) * std::sqrt(c[BS] * c[KK] * x1));
@@ -1821,20 +1826,17 @@ static void check_t(CheckArgs g) {
             {
                 const i64 j0 = q * bn, w = std::min(N, j0 + bn) - j0;
                 std::fill(cz.begin(), cz.end(), 0.0);
-                // float64 C is scaled as it is read, by 2^x = 2^min(x, 1000) 2^(x - min(x, 1000)):
-                // 2^x alone overflows past 2^1023 where the scaled value does not (reference._scaled)
+                // float64 C is scaled as it is read, by 2^x in two factors where x passes
+                // POW2_SPLIT on either side (pow2_hi, pow2_lo; reference._scaled)
                 bool split = false;
                 for (i64 j = 0; j < w; j++) {
                     const double x = -(EA[p] + fB[j0 + j]);
-                    scol[j] = pow2(std::min(x, 1000.0));
-                    split |= pre && x > 1000.0;
+                    scol[j] = pow2_hi(x);
+                    split |= pre && x > POW2_SPLIT;
                 }
-                for (i64 i = i0; pre && i < i1; i++) split |= -(eA[i] + FB[q]) > 1000.0;
+                for (i64 i = i0; pre && i < i1; i++) split |= -(eA[i] + FB[q]) > POW2_SPLIT;
                 std::vector<double> scol2(split ? w : 0);
-                for (i64 j = 0; split && j < w; j++) {
-                    const double x = -(EA[p] + fB[j0 + j]);
-                    scol2[j] = pow2(x - std::min(x, 1000.0));
-                }
+                for (i64 j = 0; split && j < w; j++) scol2[j] = pow2_lo(-(EA[p] + fB[j0 + j]));
                 const double srow = pow2(-FB[q]);
                 Pending pend[2];
                 // an addend repeated down the rows (a bias), finite, summed unscaled: its row sums
@@ -1903,8 +1905,7 @@ static void check_t(CheckArgs g) {
                         // the values as each side sums them (float64: scaled first)
                         const double *vc = seg, *vr = seg;
                         if (pre && split) {               // scaled in two factors (above)
-                            const double x = -(eA[i] + FB[q]), hi = std::min(x, 1000.0);
-                            const double r1 = pow2(hi), r2 = pow2(x - hi);
+                            const double x = -(eA[i] + FB[q]), r1 = pow2_hi(x), r2 = pow2_lo(x);
                             for (i64 j = 0; j < w; j++) {
                                 zc[j] = seg[j] * scol[j] * scol2[j];
                                 zr[j] = seg[j] * r1 * r2;
