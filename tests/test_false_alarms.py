@@ -222,9 +222,7 @@ def test_a_bias_accumulated_with_the_products_does_not_alarm(check):
     for trial in range(10):
         a, b = torch.randn(3, 15, generator=g), torch.randn(15, 26, generator=g)
         bias = torch.randn(26, generator=g) * 100 * 15 ** 0.5
-        c = bias.expand(3, 26).clone()
-        for k in range(15):
-            c = c + a[:, k:k + 1] * b[k]
+        c = _in_order(a, b, "recursive", start=bias)
         v = getattr(R, check)(a, b, c, bm=256, bn=256, units=R.units_for(c), addend=bias)[0]
         assert not L.alarmed(v).any(), (trial, v)
         assert (v[..., L.STATUS] == L.OK).all()
@@ -309,16 +307,19 @@ def test_fuzzed_clean_products_do_not_alarm(family, dtype):
     assert checked >= 25
 
 
-def _in_order(a, b, order):
+def _in_order(a, b, order, start=None):
     """a @ b accumulated in float32 in ``order``, then rounded to a's dtype: "recursive" and
     "pairwise" round each product, then each sum; "fma", "reversed" (K backwards) and "split4" (four
     runs of K, added at the end) add each exact product in float64 and round the sum to float32 (a
     fused multiply-add but for a rare double rounding). Orders a GEMM may take (GPUs' split-K and
-    tensor cores among them)."""
+    tensor cores among them). ``start``: the accumulator's first value (an addend the GEMM starts
+    from: the first run's, the first term pairwise)."""
     A, B = a.float(), b.float()
     k = A.shape[1]
+    first = None if start is None else start.float().expand(A.shape[0], B.shape[1]).clone()
     terms = [A[:, i:i + 1] * B[i] for i in range(k)]
     if order == "pairwise":
+        terms = terms if first is None else [first] + terms
         while len(terms) > 1:
             terms = [terms[i] + terms[i + 1] if i + 1 < len(terms) else terms[i]
                      for i in range(0, len(terms), 2)]
@@ -326,8 +327,8 @@ def _in_order(a, b, order):
     runs = [list(range(k))[::-1]] if order == "reversed" else \
         [r.tolist() for r in torch.arange(k).chunk(4)] if order == "split4" else [list(range(k))]
     parts = []
-    for run in runs:
-        c = torch.zeros(A.shape[0], B.shape[1])
+    for n_run, run in enumerate(runs):
+        c = first if first is not None and n_run == 0 else torch.zeros(A.shape[0], B.shape[1])
         for i in run:
             c = (c.double() + A[:, i:i + 1].double() * B[i].double()).float() if order != "recursive" \
                 else c + terms[i]
@@ -377,9 +378,7 @@ def test_products_absorbed_by_a_bias_do_not_alarm():
     a = torch.rand(3, 256, generator=g) * 2 ** -12
     b = torch.rand(256, 32, generator=g) * 2 ** -12
     d = 1.0 + torch.rand(32, generator=g)
-    c = d.expand(3, 32).clone()
-    for k in range(256):
-        c = (c.double() + a[:, k:k + 1].double() * b[k].double()).float()
+    c = _in_order(a, b, "fma", start=d)
     for check in (R.check_torch, R.check):
         v = check(a, b, c, bm=256, bn=256, units=R.units_for(c), addend=d)[0]
         assert not L.alarmed(v).any(), check.__name__
