@@ -237,13 +237,14 @@ def check(a, b, c, *, bm, bn, units, acc=None, chk=None, alpha=1.0, addend=None,
     """Verify ``c == alpha * a @ b + addend`` tile by tile: the compiled check where it can run
     (``compiled.usable``), else ``check_torch`` (the same arguments and results). With
     ``summary``, the results end with ``layout.summary`` of the verdict (on the CPU: a tuple)."""
+    kw = dict(bm=bm, bn=bn, units=units, acc=acc, chk=chk, alpha=alpha, addend=addend, beta=beta, lam=lam,
+              b_stats=b_stats)
     if compiled.usable(a, b, c, addend):
-        return compiled.check(a, b, c, bm=bm, bn=bn, units=units, acc=acc,
-                              chk=chk, alpha=alpha, addend=addend, beta=beta, lam=lam,
-                              return_sums=return_sums, b_stats=b_stats, summary=summary)
-    out = check_torch(a, b, c, bm=bm, bn=bn, units=units, acc=acc, chk=chk, alpha=alpha, addend=addend,
-                      beta=beta, lam=lam, return_sums=return_sums, b_stats=b_stats)
-    return (*out, L.summary(out[0])) if summary else out
+        run = lambda sums: compiled.check(a, b, c, **kw, return_sums=sums, summary=True)
+    else:
+        run = lambda sums: _summarised(_check_torch(a, b, c, **kw, return_sums=sums), summary)
+    out = _second_look(run(return_sums), run, a, b, c, kw, return_sums)
+    return out if summary else out[:-1]
 
 
 def check_torch(a, b, c, *, bm, bn, units, acc=None, chk=None, alpha=1.0, addend=None, beta=1.0, lam=None,
@@ -271,7 +272,18 @@ def check_torch(a, b, c, *, bm, bn, units, acc=None, chk=None, alpha=1.0, addend
         verdict: float32 (..., TM, TN, NFIELDS) in ``layout``'s format.
         detail: (row ratios (..., M, TN), column ratios (..., TM, N)), signed residual /
             threshold of every checked sum, 0 where unverified.
+
+    A sum that fails gets a second look (``_second_look``) where the verdict is on the host.
     """
+    kw = dict(bm=bm, bn=bn, units=units, acc=acc, chk=chk, alpha=alpha, addend=addend, beta=beta, lam=lam,
+              b_stats=b_stats)
+    run = lambda sums: _summarised(_check_torch(a, b, c, **kw, return_sums=sums), False)
+    return _second_look(run(return_sums), run, a, b, c, kw, return_sums)[:-1]
+
+
+def _check_torch(a, b, c, *, bm, bn, units, acc=None, chk=None, alpha=1.0, addend=None, beta=1.0, lam=None,
+                 return_sums=False, b_stats=None):
+    """``check_torch`` without its second look (the same arguments and results)."""
     m, n = c.shape[-2], c.shape[-1]
     batch = c.shape[:-2]
     bm, bn = max(1, min(bm, m)), max(1, min(bn, n))
@@ -362,6 +374,129 @@ def check_torch(a, b, c, *, bm, bn, units, acc=None, chk=None, alpha=1.0, addend
                         thr_row=real_r(thr_r))
             return verdict, detail, sums
     return verdict, detail
+
+
+# The second look: products lost below the accumulator's last bit.
+#
+# A GEMM that adds its products to a running sum much larger than they are loses each one below
+# half an ulp of it and rounds those near an ulp the same way each time; products of one sign then
+# err as their count, not as the random walk the threshold allows. It happens where the accumulator
+# starts at a large addend (torch's CPU float32 addmm of one to three rows starts at the bias) or
+# at one large product among many tiny ones. Allowed in every sum, it would loosen a linear's
+# thresholds 14-59-fold (its bound is K u |running sum| an element); so it is allowed only in a sum
+# that has failed. The products of each element of the failing sums are recomputed in float64:
+#     p_k = alpha a_ik b_kj,   S_ij = |addend_ij| + 2 max_k |p_1 + ... + p_k|,
+# S bounds every running sum of an order that adds runs of consecutive k (sequential, blocked,
+# split, reversed, pairwise) from the addend. A step errs by at most min(|p_k|, u S) (the running sum
+# itself is a neighbour of the exact value, and rounding is to half an ulp). The small products,
+# |p_k| < 4 u S_ij (two ulps of the largest running sum), are the ones whose rounding may take one
+# direction; they are grouped in bands of a factor of two in |p_k| / (4 u S_ij), and the sum's
+# threshold grows by
+#     sum over bands of | sum over the sum's elements and the band's products of sign(p_k) min(|p_k|, u S_ij) |:
+# all of it where the small products have one sign (at most twice the worst-case bound, S being
+# at most |addend| + 2 sum |p|), about their random walk where signs are mixed (the threshold
+# already allows that). Larger products round at their running sum's scale, as the threshold's
+# random walk models. The allowance comes from the operands alone, so a fault in C cannot move it.
+# Measured on ordinary linears (randn, K 256-4096, with a bias): a failing sum's threshold grows
+# by at most 4%.
+# It runs where the verdict is on the host (the CPU; elsewhere, finding the failing sums would
+# synchronise), within LOOK_BUDGET products: a fault that fails more sums stays alarmed.
+LOOK_BUDGET = 2 ** 27
+_LOOK_CHUNK = 2 ** 22           # products per step
+_BANDS = 32                     # bands of |p| / (4 u S), a factor of two each (the last: all below)
+
+
+def _looks(verdict):
+    return verdict.device.type == "cpu" and not torch.compiler.is_compiling()
+
+
+def _summarised(out, summary):
+    """``out`` with ``layout.summary`` of its verdict last where it is asked for or the second look
+    runs (else None)."""
+    return (*out, L.summary(out[0]) if summary or _looks(out[0]) else None)
+
+
+def _second_look(out, run, a, b, c, kw, return_sums):
+    """``out`` (a check's results, its summary last) with the failing sums' thresholds grown by the
+    allowance above, and their tiles' records, ratios and summary made again; ``run(True)`` gives
+    the check's results with its sums, which the look needs."""
+    verdict, (det_r, det_c) = out[0], out[1]
+    if not _looks(verdict) or not out[-1][0]:
+        return out                                  # (or no tile alarmed)
+    m, n, k = c.shape[-2], c.shape[-1], a.shape[-1]
+    bm, bn = max(1, min(kw["bm"], m)), max(1, min(kw["bn"], n))
+    batch = c.shape[:-2]
+    ok = verdict[..., L.STATUS] == L.OK
+    fail_c = (det_c.abs() > 1) & ok.repeat_interleave(bn, -1)[..., :n]             # (..., TM, N)
+    fail_r = (det_r.abs() > 1) & ok.repeat_interleave(bm, -2)[..., :m, :]          # (..., M, TN)
+    use = fail_c.repeat_interleave(bm, -2)[..., :m, :] | fail_r.repeat_interleave(bn, -1)[..., :n]
+    idx = use.nonzero()
+    if len(idx) == 0 or len(idx) * max(k, 1) > LOOK_BUDGET:
+        return out
+    full = out if return_sums else run(True)
+    sums = full[2]
+    tm, tn = verdict.shape[-3], verdict.shape[-2]
+    bands = _absorbed(a, b, kw["addend"], kw["beta"], kw["alpha"], idx, c.shape, kw["units"].acc)
+    *lead, i, j = idx.T
+    nb = 1 if not batch else math.prod(batch)
+    flat = torch.zeros((), dtype=torch.long) if not batch else \
+        torch.tensor(batch[1:] + (1,)).flip(0).cumprod(0).flip(0) @ torch.stack(lead)
+    key_c = (flat * tm + i // bm) * n + j
+    key_r = (flat * m + i) * tn + j // bn
+    grow = lambda key, size: torch.zeros(size, _BANDS, dtype=F64).index_add_(0, key, bands).abs().sum(-1)
+    thr_c = sums["thr_col"] + grow(key_c, nb * tm * n).view(sums["thr_col"].shape)
+    thr_r = sums["thr_row"] + grow(key_r, nb * m * tn).view(sums["thr_row"].shape)
+    res_c, res_r = sums["res_col"], sums["res_row"]
+    rat_c, rat_r = res_c / thr_c, res_r / thr_r
+    col_view = lambda z, v: _pad_blocks(z, bn, v)                            # (..., TM, TN, BN)
+    row_view = lambda z, v: _pad_blocks(z.mT, bm, v).transpose(-3, -2)       # (..., TM, TN, BM)
+    # the tiles looked at: each holds a failing sum, and every sum of it a usable ratio
+    good = lambda thr, rat: torch.isfinite(thr) & (thr > 0) & torch.isfinite(rat)
+    looked = ok & (_tile_any(col_view(fail_c, False)) | _tile_any(row_view(fail_r, False))) \
+        & _tile_all(col_view(good(thr_c, rat_c), True)) & _tile_all(row_view(good(thr_r, rat_r), True))
+    q_off = torch.arange(verdict.shape[-2], dtype=F64) * bn
+    p_off = (torch.arange(verdict.shape[-3], dtype=F64) * bm).unsqueeze(-1)
+    cw, cf, cidx, cres, cthr = _tile_fields(col_view(rat_c, 0.0), col_view(res_c, 0.0), col_view(thr_c, 1.0), q_off)
+    rw, rf, ridx, rres, rthr = _tile_fields(row_view(rat_r, 0.0), row_view(res_r, 0.0), row_view(thr_r, 1.0), p_off)
+    use_col = cf > 0
+    again = torch.stack([rw, rf, ridx, cw, cf, cidx, torch.where(use_col, cres, rres),
+                         torch.where(use_col, cthr, rthr), verdict[..., L.STATUS].to(F64)], -1).float()
+    verdict = torch.where(looked.unsqueeze(-1), again, verdict)
+    det_c = torch.where(looked.repeat_interleave(bn, -1)[..., :n], rat_c.float(), det_c)
+    det_r = torch.where(looked.repeat_interleave(bm, -2)[..., :m, :], rat_r.float(), det_r)
+    res = (verdict, (det_r, det_c))
+    if return_sums:
+        res += (dict(sums, thr_col=torch.where(looked.repeat_interleave(bn, -1)[..., :n], thr_c, sums["thr_col"]),
+                     thr_row=torch.where(looked.repeat_interleave(bm, -2)[..., :m, :], thr_r, sums["thr_row"])),)
+    return (*res, L.summary(verdict))
+
+
+def _absorbed(a, b, addend, beta, alpha, idx, shape, unit):
+    """(len(idx), _BANDS) float64: per element of ``idx`` (rows of (batch..., i, j)) of a product
+    of ``shape``, the sums of its small products p_k (above) by band of |p_k| / (4 u S)."""
+    *batch, m, n = shape
+    k = a.shape[-1]
+    ae = a.expand(*batch, m, k)
+    bt = b.expand(*batch, k, n).mT
+    d = None
+    if addend is not None:
+        d = torch.broadcast_to(addend.to(F64) * float(beta), shape)
+    out = torch.zeros(len(idx), _BANDS, dtype=F64)
+    step = max(1, _LOOK_CHUNK // max(k, 1))
+    for r0 in range(0, len(idx), step):
+        ix = idx[r0:r0 + step]
+        lead = tuple(ix[:, :-2].T)
+        p = ae[(*lead, ix[:, -2])].to(F64) * bt[(*lead, ix[:, -1])].to(F64) * float(alpha)
+        s = 2 * p.cumsum(-1).abs().amax(-1) if k else p.new_zeros(len(ix))
+        if d is not None:
+            s = s + d[tuple(ix.T)].abs()
+        rel = p.abs() / (4 * unit * s).unsqueeze(-1)
+        band = (-torch.frexp(rel)[1]).clamp_(0, _BANDS - 1)        # rel in [2^-b-1, 2^-b): band b
+        # a step errs by at most min(|p_k|, u |running sum|): the sum itself is a neighbour of the
+        # exact value, and it rounds to half an ulp
+        lost = torch.minimum(p.abs(), (unit * s).unsqueeze(-1)).copysign(p)
+        out[r0:r0 + step].scatter_add_(1, band, torch.where(rel < 1, lost, 0.0))
+    return out
 
 
 def _tile_all(z):

@@ -670,3 +670,31 @@ def test_float64_products_that_underflow_do_not_alarm(layout):
             assert not L.alarmed(v).any(), (trial, v)
             assert (v[..., L.STATUS] == L.OK).all(), (trial, v)
         assert differences(got, want, f64=True) == [], trial
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_the_second_look_gives_the_oracles_verdicts(dtype):
+    """Alarmed sums get the same second look in both checks: products absorbed by a bias (three
+    rows, float32's accumulator starting at it), and faults in batched products with an addend,
+    among ordinary and absorbed rows, located alike."""
+    g = torch.Generator().manual_seed(11)
+    a = (torch.rand(3, 700, generator=g) * 2 ** -12).to(dtype)
+    b = (torch.rand(700, 40, generator=g) * 2 ** -12).to(dtype)
+    d = (1 + torch.rand(40, generator=g)).to(dtype)
+    c = torch.addmm(d, a, b)
+    c[2, 3] += 0.1 if dtype == torch.bfloat16 else 1e-3
+    got, want, loose = both(a, b, c, bm=2, bn=16, addend=d)
+    assert differences(got, want, dtype == torch.float64, loose) == []
+    assert L.alarmed(got[0]).any() and not L.alarmed(got[0]).all()
+    a = torch.randn(3, 37, 300, generator=g).to(dtype)
+    a[1, :5] *= 2 ** -30
+    b = torch.randn(300, 29, generator=g).to(dtype)
+    d = torch.randn(29, generator=g).to(dtype)
+    c = torch.baddbmm(d, a, b.expand(3, 300, 29), alpha=0.5)
+    f = 3.0 if dtype == torch.bfloat16 else 0.01
+    c[0, 4, 7] += f
+    c[1, 2, 20] -= f
+    c[2, 30, 0] = c[2, 30, 0] * (1 + f) + f
+    got, want, loose = both(a, b, c, bm=8, bn=8, addend=d, alpha=0.5)
+    assert differences(got, want, dtype == torch.float64, loose) == []
+    assert L.alarmed(got[0]).sum() == 3

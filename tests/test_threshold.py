@@ -440,3 +440,60 @@ def test_kept_buffers_made_under_inference_mode_serve_calls_outside_it():
     assert (v[..., L.STATUS] == L.OK).all()
     w = b.clone().requires_grad_()
     assert weight_stats(w, 4).low.shape == (8,)
+
+
+def _absorbed(seed, k=1024):
+    """Products all positive and below half an ulp of a bias near 1, added by torch's CPU addmm of
+    three rows, which starts its accumulator at the bias (test_false_alarms)."""
+    g = torch.Generator().manual_seed(seed)
+    a = torch.rand(3, k, generator=g) * 2 ** -12
+    b = torch.rand(k, 96, generator=g) * 2 ** -12
+    d = 1.0 + torch.rand(96, generator=g)
+    return a, b, d, torch.addmm(d, a, b)
+
+
+@pytest.mark.parametrize("name", ["check", "check_torch"])
+def test_the_second_look_lets_lost_products_through_not_a_fault(name):
+    """Where a bias absorbs the products, the second look allows their loss, not more: a fault
+    that leaves the column off by twice its loss alarms, and the column is located."""
+    from abft.kernels import reference as R
+    a, b, d, c = _absorbed(1)
+    loss = (a.double().sum(0) @ b.double())          # per column: every product lost
+    assert getattr(R, name)(a, b, c, bm=256, bn=256, units=units(c.dtype), addend=d)[0][..., L.COL_RATIO].max() < 1
+    c[1, 5] += 3 * float(loss[5])               # (the loss, -1 of it, is in c already)
+    v = getattr(R, name)(a, b, c, bm=256, bn=256, units=units(c.dtype), addend=d)[0]
+    assert L.alarmed(v).all() and v[0, 0, L.COL] == 5
+
+
+@pytest.mark.parametrize("k", [256, 4096])
+@pytest.mark.parametrize("m", [3, 300])
+def test_the_second_look_grows_an_ordinary_threshold_little(m, k):
+    """On an ordinary linear (randn, a bias) a fault at 1.1 times its column's threshold still
+    alarms, and the look grows the failing sums' thresholds by less than 5% (at most 1.8%
+    measured)."""
+    from abft.kernels import reference as R
+    g = torch.Generator().manual_seed(m + k)
+    x, w = torch.randn(m, k, generator=g), torch.randn(k, 512, generator=g) / k ** 0.5
+    d = 0.02 * torch.randn(512, generator=g)
+    c = torch.addmm(d, x, w)
+    kw = dict(bm=256, bn=256, units=units(c.dtype), addend=d, return_sums=True)
+    thr = float(R._check_torch(x, w, c, **kw)[2]["thr_col"][0, 7])
+    c[1, 7] += 1.1 * thr
+    before = R._check_torch(x, w, c, **kw)
+    for check in (R.check, R.check_torch):
+        v, _, sums = check(x, w, c, **kw)
+        assert L.alarmed(v)[0, 0] and v[0, 0, L.COL] == 7
+        grown = sums["thr_col"] / before[2]["thr_col"]
+        assert (grown > 1 - 1e-9).all() and grown.max() < 1.05
+
+
+def test_the_second_look_stays_within_its_budget(monkeypatch):
+    """Beyond LOOK_BUDGET products the look does not run: the absorbed products alarm again."""
+    from abft.kernels import reference as R
+    a, b, d, c = _absorbed(2)
+    kw = dict(bm=256, bn=256, units=units(c.dtype), addend=d)
+    assert not L.alarmed(R.check(a, b, c, **kw)[0]).any()
+    monkeypatch.setattr(R, "LOOK_BUDGET", 3 * 96 * 1024 - 1)
+    assert L.alarmed(R.check(a, b, c, **kw)[0]).all()
+    monkeypatch.setattr(R, "LOOK_BUDGET", 3 * 96 * 1024)
+    assert not L.alarmed(R.check(a, b, c, **kw)[0]).any()
