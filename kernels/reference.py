@@ -107,11 +107,16 @@ def _pred_row(a, e, sb):
     return out if pre else out * sc
 
 
-def _elementwise(z, half, masked=True):
+def _elementwise(z, half, masked=True, raw=None):
     """The elementwise arrays the sums are built from: z's finite values, their squares, their
     magnitudes, the non-finite mask and (half types) the mask below the normal range.
-    ``masked=False``: z is known to be finite (no masks, no copy)."""
-    if masked:
+    ``masked=False``: z is known to be finite (no masks, no copy). ``raw``: z before its scaling
+    (float64), whose non-finite values are counted: a finite one that overflows when scaled stays
+    inf in the sums, which leaves the threshold unformed (unverified), not a non-finite output."""
+    if masked and raw is not None:
+        nf = (raw - raw) != 0
+        zf = torch.where(nf, 0.0, z)
+    elif masked:
         nf = (z - z) != 0              # inf - inf and NaN - NaN are NaN: 5x faster than ~isfinite
         zf = torch.nan_to_num(z, nan=0.0, posinf=0.0, neginf=0.0)
     else:
@@ -177,8 +182,8 @@ def _output_sums(c, addend, ast, bst, bm, bn):
             if pre:
                 zc = _scaled(z, E_rows[..., r0:r0 + step].unsqueeze(-1) + bst.e.unsqueeze(-2))
                 zr = _scaled(z, ast.e[..., r0:r0 + step].unsqueeze(-1) + F_cols.unsqueeze(-2))
-                parts_c += _reduce(_elementwise(zc, h), bm, -2)
-                parts_r += _reduce(_elementwise(zr, h), bn, -1)
+                parts_c += _reduce(_elementwise(zc, h, raw=z), bm, -2)
+                parts_r += _reduce(_elementwise(zr, h, raw=z), bn, -1)
             else:
                 # on the CPU, where ops are synchronous anyway, the non-finite bookkeeping runs only
                 # for a chunk that holds a non-finite value (its sums say so)
@@ -315,8 +320,9 @@ def _check_torch(a, b, c, *, bm, bn, units, acc=None, chk=None, alpha=1.0, adden
             t_col = _pred_col(ast.absum, b.abs(), bst.e)
             t_row = _pred_row(a.abs(), ast.e, bst.absum)
         scaled = addend is not None and float(beta) != 1.0
-        coef_c = T.coefficients(units, k=k, bs=bm, acc=acc, chk=chk, lam=lam, scaled_addend=scaled)
-        coef_r = T.coefficients(units, k=k, bs=bn, acc=acc, chk=chk, lam=lam, scaled_addend=scaled)
+        terms = dict(acc=acc, chk=chk, lam=lam, addend=addend is not None, scaled_addend=scaled, alpha=alpha)
+        coef_c = T.coefficients(units, k=k, bs=bm, **terms)
+        coef_r = T.coefficients(units, k=k, bs=bn, **terms)
         res_c, thr_c, nf_c = _side(coef_c, cs, pred_col, ast, bst, alpha, t_col)
         res_r, thr_r, nf_r = _side(coef_r, [None if z is None else z.mT for z in rs], pred_row.mT, bst, ast, alpha,
                                    None if t_row is None else t_row.mT)

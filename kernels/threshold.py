@@ -98,6 +98,7 @@ class Units:
     eta_acc: float = 0.0    # absolute underflow per product term
     eta_out: float = 0.0    # absolute underflow per stored element
     ftz: float = 0.0        # inputs below this are flushed to zero (0: subnormals honoured)
+    eta_in: float = 0.0     # absolute rounding of an input element scaled by alpha (addmm)
 
 
 def units(dtype, *, check=torch.float64, tf32=False, stored=True, flush=False):
@@ -112,7 +113,7 @@ def units(dtype, *, check=torch.float64, tf32=False, stored=True, flush=False):
                  chk=UNIT[check], tf=TF32_UNIT if tf32 else 0.0,
                  eta_acc=torch.finfo(acc).tiny if flush else _ETA[acc],
                  eta_out=_ETA[dtype] if stored else 0.0,
-                 ftz=torch.finfo(dtype).tiny if flush else 0.0)
+                 ftz=torch.finfo(dtype).tiny if flush else 0.0, eta_in=_ETA[dtype] if stored else 0.0)
 
 
 def gamma(n, unit):
@@ -151,7 +152,8 @@ class Coefficients:
     cap: bool           # K <= SMALL_K: cap by the worst case
 
 
-def coefficients(u, *, k, bs, acc, chk=None, lam=None, scaled_addend=False, split=(-1000.0, False)):
+def coefficients(u, *, k, bs, acc, chk=None, lam=None, addend=False, scaled_addend=False, split=(-1000.0, False),
+                 alpha=1.0):
     """Coefficients of the thresholds of sums of ``bs`` elements of a length-``k`` product.
 
     Args:
@@ -159,10 +161,24 @@ def coefficients(u, *, k, bs, acc, chk=None, lam=None, scaled_addend=False, spli
         acc: ``Accumulation`` of the product; chk: of the check's predicted dot product
             (default: recursive).
         lam: the multiplier (None: LAMBDA).
+        addend: the product has an addend (addmm, a linear's bias).
         scaled_addend: beta * addend is formed in the output dtype (torch's half-precision addmm
             rounds beta to the dtype and the product once more: two roundings with one sign).
         split: (log2 of eta, absolute): the error of a checksum s_k as the check multiplies it
             (the fused kernel's parts, ``prepass.split_error``); (-1000, False): none.
+        alpha: the product's scale. torch's CPU GEMM scales one operand by it before the product
+            (which one is its choice): each scaled element rounds, by up to u.eta_in absolutely
+            where it falls below the normal range (an operand near 2^-1068 in float64 loses its
+            last bits), an error the flushed-input term (``ftz``, per element of the other operand,
+            whose norms carry alpha) bounds with u.eta_in / min(1, |alpha|).
+
+    alpha and beta are rounded to the GEMM's arithmetic (float32 for float32, bf16 and fp16
+    products; beta to a half type itself) and multiply in it: two roundings of one sign on the
+    whole scaled term, allowed per |pred| (alpha) and per sum |addend| (beta, ``out_add``), in the
+    worst case too. The worst case (K <= SMALL_K) also counts one more step for a product where an
+    addend is added to its sum or starts the accumulator (K steps bound a dot product without a
+    fused multiply-add). torch's CPU float32 addmm of K = 1 alarmed without them: 1.3 times the cap
+    with alpha = beta = 1, 2.4 times with both scaled.
     """
     k = max(int(k), 0)
     kk = max(k, 1)
@@ -171,6 +187,12 @@ def coefficients(u, *, k, bs, acc, chk=None, lam=None, scaled_addend=False, spli
     n, m = acc.steps, acc.inner
     nc, mc = chk.steps, chk.inner
     unit_w = 2 * u.acc if acc.directed else u.acc
+    scaled = alpha not in (0, 1)
+    ftz = u.ftz
+    if scaled and u.eta_in:
+        ftz = max(ftz, u.eta_in / min(1.0, abs(alpha)))
+    by_alpha = 2 * u.acc if scaled else 0.0                 # alpha rounded, and its product
+    by_beta = 2 * max(u.out, u.acc) if scaled_addend else 0.0
     return Coefficients(
         lam=LAMBDA if lam is None else float(lam), k=float(k), bs=float(bs),
         p_s2=ua2 * (n / 9 + m * m / (9 * kk)),
@@ -179,13 +201,13 @@ def coefficients(u, *, k, bs, acc, chk=None, lam=None, scaled_addend=False, spli
         c_p2=uc2 * (nc / 9 + mc * mc / (9 * kk)),
         c_qs=uc2 * (nc / 6 + 5 * mc / 18),
         c_s12=uc2 * bs / 9, c_s2=uc2 * bs / 6, c_q=uc2 * bs / 6,
-        bias=2 * math.sqrt(n + m - 1) * u.acc + 2 * math.sqrt(nc + mc - 1) * u.chk + 2 * u.tf,
+        bias=2 * math.sqrt(n + m - 1) * u.acc + 2 * math.sqrt(nc + mc - 1) * u.chk + 2 * u.tf + by_alpha,
         lowent=(n + m) / 2 * u.acc + (nc + mc) / 2 * u.chk + bs * u.chk,
         directed=2 * u.acc * n if acc.directed else 0.0,
         directed_chk=2 * u.chk * nc if chk.directed else 0.0,
         eta_log2=float(split[0]), eta_absolute=1.0 if split[1] else 0.0,
-        out=gamma(1, u.out), out_add=2 * u.out if scaled_addend else 0.0, eta_acc=u.eta_acc, eta_out=u.eta_out, ftz=u.ftz,
-        w_t=gamma(n + m - 1, unit_w) + gamma(k, u.chk) + gamma(bs, u.chk) + 2 * u.tf,
+        out=gamma(1, u.out), out_add=by_beta, eta_acc=u.eta_acc, eta_out=u.eta_out, ftz=ftz,
+        w_t=gamma(n + m - 1 + int(addend), unit_w) + gamma(k, u.chk) + gamma(bs, u.chk) + 2 * u.tf + by_alpha,
         # the addend may start the accumulation (MKL's small float32 addmm does): each of its
         # steps rounds at the addend's magnitude too, not one step
         w_sa=gamma(1, u.out) + gamma(bs, u.chk), w_da=gamma(n + m - 1, unit_w) + gamma(bs, u.chk),

@@ -233,7 +233,10 @@ def _fuzzed(family, dtype, g):
     an operand or the product is not finite. "ranges": A's rows near 2^s against B's columns near
     2^-s down to the bottom of the range (products that underflow); "bias": batched addmm with a
     bias the size of the products, alpha and beta 1 or (0.5, 2); "entropy": few distinct values,
-    repeated rows, half zeros, near-constant data, with and without a bias."""
+    repeated rows, half zeros, near-constant data, with and without a bias; "scaled": addmm with
+    alpha and beta that are no powers of two, mostly at small K, a bias or a full addend from a
+    thousandth to a thousand times the products, one time in three with B's columns below the
+    normal range (A large, so that the products are normal)."""
     import math
     fi = torch.finfo(dtype)
     emin, emax = int(math.log2(fi.smallest_normal)), int(math.log2(fi.max))
@@ -257,6 +260,21 @@ def _fuzzed(family, dtype, g):
         if int(r(0, 2)):
             alpha, beta = 0.5, 2.0
         c = torch.baddbmm(addend.expand(bt, m, n), a, b.expand(bt, k, n), alpha=alpha, beta=beta)
+    elif family == "scaled":
+        pick = lambda xs: xs[int(r(0, len(xs)))]
+        m, n = int(r(1, 40)), int(r(1, 40))
+        k = pick([1, 2, 3, 5, 8, 17, 33, 64, 65, 100, 300])
+        alpha = pick([0.3, 1 / 3, 0.7, 1.7, 3.3, -0.45, 1 / math.sqrt(80), 1.0])
+        beta = pick([0.6, 1 / 3, -1.3, 2.0, 1.0])
+        sa = sb = 0
+        if int(r(0, 3)) == 0:
+            sb = emin - int(r(0, {torch.float64: 53, torch.float32: 24, torch.float16: 11}.get(dtype, 8)))
+            sa = min(emax - 12, -sb - int(r(0, 20)))
+        a = (torch.randn(m, k, **f64) * 2.0 ** sa).to(dtype)
+        b = (torch.randn(k, n, **f64) * 2.0 ** sb).to(dtype)
+        big = float((a.double() @ b.double()).abs().amax()) * abs(alpha) or 1.0
+        addend = (torch.randn(m if int(r(0, 2)) else 1, n, **f64) * big * 10.0 ** r(-3, 4)).to(dtype)
+        c = torch.addmm(addend, a, b, alpha=alpha, beta=beta)
     else:
         def draw(shape):
             kind = int(r(0, 6))
@@ -284,12 +302,14 @@ def _fuzzed(family, dtype, g):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64], ids=str)
-@pytest.mark.parametrize("family", ["ranges", "bias", "entropy"])
+@pytest.mark.parametrize("family", ["ranges", "bias", "entropy", "scaled"])
 def test_fuzzed_clean_products_do_not_alarm(family, dtype):
     """Random clean products (``_fuzzed``; 40 a family and dtype, fixed seeds) checked by the torch
     check and the compiled one: no alarm, no unverified tile. Written with the two fixes it found
     (float64 products that underflow; a bias the GEMM accumulates onto): before them it failed for
-    ranges/float64, bias/float32 and bias/float64."""
+    ranges/float64, bias/float32 and bias/float64. "scaled" came with the fixes for alpha and beta
+    (their roundings, an operand scaled below the normal range): before them it failed for
+    float32 and float64."""
     from abft.kernels import reference as R
     g = torch.Generator().manual_seed(1)
     checked = 0
@@ -407,3 +427,55 @@ def test_products_near_an_ulp_of_the_running_sum_do_not_alarm(order):
         for check in (R.check, R.check_torch):
             assert _worst(check, a, b, _in_order(a, b, order)) < 1, (k, check.__name__)
             assert _worst(check, a2, b, _in_order(a2, b, order, start=d), d) < 1, (k, check.__name__)
+
+
+@pytest.mark.parametrize("check", ["check", "check_torch"])
+def test_addmm_of_k_1_with_a_bias_and_alpha_and_beta_does_not_alarm(check):
+    """torch's CPU float32 addmm of K = 1 rounds the product, adds the bias, and rounds alpha, beta
+    and their products: the worst-case cap had a product's K steps (one here) and the bias's, no
+    more (ratios up to 1.3 with alpha = beta = 1, 2.4 with both scaled)."""
+    from abft.kernels import reference as R
+    g = torch.Generator().manual_seed(7)
+    for alpha, beta in ((1.0, 1.0), (0.3, 1.0), (1.0, 0.6), (0.3, 0.6), (3.3, 1 / 3)):
+        for m in (1, 3, 40):
+            a, b, d = torch.randn(m, 1, generator=g), torch.randn(1, 70, generator=g), torch.randn(70, generator=g)
+            c = torch.addmm(d, a, b, alpha=alpha, beta=beta)
+            assert _worst(getattr(R, check), a, b, c, d, alpha=alpha, beta=beta) < 1, (alpha, beta, m)
+
+
+@pytest.mark.parametrize("check", ["check", "check_torch"])
+@pytest.mark.parametrize("dtype,sa,sb", [(torch.float64, 900, -1068), (torch.float32, 120, -146)], ids=str)
+def test_addmm_scaling_an_operand_below_the_normal_range_does_not_alarm(dtype, sa, sb, check):
+    """torch's CPU GEMM scales one operand by alpha before the product: below the normal range its
+    elements lose their last bits (B near 2^-1068 keeps six), an absolute error the threshold had
+    no term for (ratios up to 1.5e9 in float64, 8e4 in float32)."""
+    from abft.kernels import reference as R
+    g = torch.Generator().manual_seed(0)
+    for alpha in (0.5, 0.3):
+        for side in ("b", "a"):
+            a = torch.randn(64, 128, generator=g, dtype=torch.float64) * 2.0 ** sa
+            b = torch.randn(128, 48, generator=g, dtype=torch.float64) * 2.0 ** sb
+            if side == "a":
+                a, b = b.mT.contiguous(), a.mT.contiguous()
+            a, b = a.to(dtype), b.to(dtype)
+            d = (torch.randn(b.shape[1], generator=g, dtype=torch.float64) * 2.0 ** (sa + sb)).to(dtype)
+            c = torch.addmm(d, a, b, alpha=alpha)
+            assert _worst(getattr(R, check), a, b, c, d, alpha=alpha) < 1, (alpha, side)
+
+
+@pytest.mark.parametrize("check", ["check", "check_torch"])
+def test_an_addend_against_rows_below_the_normal_range_is_no_nonfinite_output(check):
+    """float64 rows near 2^-1074 against a bias near 2^40: the check's scaled copies of C overflow
+    (2^-(e_i + F) reaches 2^1000 and more), and were counted as non-finite outputs, which the
+    finite inputs made a fault: NONFINITE on a clean product. Those sums cannot be formed: their
+    tiles are unverified, the rest checked."""
+    from abft.kernels import reference as R
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(64, 128, generator=g, dtype=torch.float64)
+    a[:8] *= 2.0 ** -1074
+    b = torch.randn(128, 64, generator=g, dtype=torch.float64)
+    d = torch.randn(64, generator=g, dtype=torch.float64) * 2.0 ** 40
+    c = torch.addmm(d, a, b)
+    v = getattr(R, check)(a, b, c, bm=32, bn=32, units=R.units_for(c), addend=d)[0]
+    assert not L.alarmed(v).any()
+    assert v[..., L.STATUS].flatten().tolist() == [L.UNVERIFIED, L.UNVERIFIED, L.OK, L.OK]

@@ -1473,11 +1473,12 @@ struct Side {
     const uint8_t *finite, *low;
 };
 
-// Output sums of one element z (already scaled where pre): value, square, magnitude, non-finite
-// count, count below the half type's normal range.
+// Output sums of one element z (already scaled where pre) read as raw: value, square, magnitude,
+// non-finite count (of raw: a finite float64 that overflows when scaled is no non-finite output,
+// and its sums, inf, leave the threshold unformed), count below the half type's normal range.
 struct Acc { double s1 = 0, s2 = 0, sa = 0, nf = 0, ns = 0; };
-static inline void add(Acc& a, double z, double tiny) {
-    if (!fin(z)) {
+static inline void add(Acc& a, double z, double raw, double tiny) {
+    if (!fin(raw)) {
         a.nf += 1;
         a.ns += tiny > 0;
         return;
@@ -1933,9 +1934,9 @@ static void check_t(CheckArgs g) {
                             pend[src].add(w, tiny, c1, c2, ca, cs);     // (their buffers are reused)
                             Acc r;
                             for (i64 j = 0; j < w; j++) {
-                                add(r, vr[j], tiny);
+                                add(r, vr[j], seg[j], tiny);
                                 Acc a;
-                                add(a, vc[j], tiny);
+                                add(a, vc[j], seg[j], tiny);
                                 c1[j] += a.s1; c2[j] += a.s2; ca[j] += a.sa; cn[j] += a.nf; cs[j] += a.ns;
                             }
                             s1 = r.s1; s2 = r.s2; sa = r.sa; nf = r.nf; ns = r.ns;
