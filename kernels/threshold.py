@@ -24,6 +24,10 @@ collects the round-off of
    or the smallest normal where products are flushed to zero), eta_out per stored element, and
    subnormal inputs flushed to zero (bf16 on CPUs).
 
+6. addmm's alpha and beta, rounded to the GEMM's arithmetic and multiplied in it (two roundings of
+   one sign on the scaled term: per |pred| and per sum |addend|), and an operand scaled by alpha
+   below the normal range (absolute, like a flushed input).
+
 Rows that repeat exactly have identical errors: the product's variance is scaled by the largest
 multiplicity ``nu`` of a row in the block. Rounding errors average out only when the summands'
 low bits vary: sums whose rows and columns take few values (``stats.low_entropy``) get the bias
@@ -45,6 +49,10 @@ For K <= SMALL_K the threshold is capped by the deterministic worst-case bound b
 T = sum_i sum_k |x_ik| |y_kj| (cheap at small K), an addend's magnitudes (a GEMM may start its
 accumulator at the addend: every step then rounds at its size), plus the underflow allowance
 (term 5).
+
+Products far below their running sum (a large addend the GEMM starts from, one large product
+among tiny ones) are lost with one sign; that is allowed only where a sum has failed, by the
+reference check's second look (``reference._second_look``), from the products themselves.
 
 The host computes the scalar coefficients (``coefficients``); ``threshold`` (torch) and
 ``threshold_tl`` (Triton) evaluate the same expression, term for term, on per-sum tensors.
