@@ -160,8 +160,13 @@ class Coefficients:
     cap: bool           # K <= SMALL_K: cap by the worst case
 
 
+def _pow2(x):
+    """x is +-2^n: scaling by it is exact (in the normal range)."""
+    return x != 0 and math.frexp(abs(x))[0] == 0.5
+
+
 def coefficients(u, *, k, bs, acc, chk=None, lam=None, addend=False, scaled_addend=False, split=(-1000.0, False),
-                 alpha=1.0):
+                 alpha=1.0, beta=1.0):
     """Coefficients of the thresholds of sums of ``bs`` elements of a length-``k`` product.
 
     Args:
@@ -174,7 +179,7 @@ def coefficients(u, *, k, bs, acc, chk=None, lam=None, addend=False, scaled_adde
             rounds beta to the dtype and the product once more: two roundings with one sign).
         split: (log2 of eta, absolute): the error of a checksum s_k as the check multiplies it
             (the fused kernel's parts, ``prepass.split_error``); (-1000, False): none.
-        alpha: the product's scale. torch's CPU GEMM scales one operand by it before the product
+        alpha, beta: the product's and the addend's scales. torch's CPU GEMM scales one operand by it before the product
             (which one is its choice): each scaled element rounds, by up to u.eta_in absolutely
             where it falls below the normal range (an operand near 2^-1068 in float64 loses its
             last bits), an error the flushed-input term (``ftz``, per element of the other operand,
@@ -195,12 +200,14 @@ def coefficients(u, *, k, bs, acc, chk=None, lam=None, addend=False, scaled_adde
     n, m = acc.steps, acc.inner
     nc, mc = chk.steps, chk.inner
     unit_w = 2 * u.acc if acc.directed else u.acc
-    scaled = alpha not in (0, 1)
+    # alpha rounded, and its product; below the normal range a scaled element rounds (a power of two
+    # of at least 1 is exact)
     ftz = u.ftz
-    if scaled and u.eta_in:
+    if alpha not in (0, 1) and u.eta_in and not (_pow2(alpha) and abs(alpha) >= 1):
         ftz = max(ftz, u.eta_in / min(1.0, abs(alpha)))
-    by_alpha = 2 * u.acc if scaled else 0.0                 # alpha rounded, and its product
-    by_beta = 2 * max(u.out, u.acc) if scaled_addend else 0.0
+    by_alpha = 2 * u.acc if alpha != 0 and not _pow2(alpha) else 0.0
+    # beta rounded, and its product (half types: both in the dtype, whatever beta)
+    by_beta = 2 * max(u.out, u.acc) if scaled_addend and (u.out or not _pow2(beta)) else 0.0
     return Coefficients(
         lam=LAMBDA if lam is None else float(lam), k=float(k), bs=float(bs),
         p_s2=ua2 * (n / 9 + m * m / (9 * kk)),

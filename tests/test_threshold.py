@@ -329,6 +329,7 @@ def test_kernel_verdict_is_invariant_under_power_of_two_scaling(data, dtype):
     a, b, c, a2, b2, c2, ok = _scaled_case(data, dtype)
     assume(ok and _underflow_negligible(a, b, c, dtype, 32, 1e-5)
            and _underflow_negligible(a2, b2, c2, dtype, 32, 1e-5))
+    assume(not _the_known_kernel_case(a2, b2))
     c, v, d = TG.checked_gemm(a, b, tiles=(32, 32))
     c2, v2, d2 = TG.checked_gemm(a2, b2, tiles=(32, 32))
     e = int(torch.log2(a2.abs().max() / a.abs().max()).round()) if a.abs().max() > 0 else 0
@@ -338,6 +339,16 @@ def test_kernel_verdict_is_invariant_under_power_of_two_scaling(data, dtype):
     if _checksums_may_overflow(a2, b2, 32):
         assume((v2[..., L.STATUS] == L.OK).all())
     _same_verdict(v, d, v2, d2, 1e-5)
+
+
+def _the_known_kernel_case(a, b):
+    """An operand with a nonzero value within 2^10 of float32's smallest normal against one beyond
+    2^100: where the fused kernel's known false alarm lives (test_false_alarms.py's
+    test_fused_kernel_row_near_the_smallest_normal_does_not_alarm, a strict xfail), not drawn
+    here until it is mended."""
+    low = lambda x: bool(((x != 0) & (x.abs() < 2.0 ** -116)).any())
+    high = lambda x: bool((x.abs() > 2.0 ** 100).any())
+    return (low(a) and high(b)) or (low(b) and high(a))
 
 
 def _checksums_may_overflow(a, b, bm):
