@@ -398,19 +398,19 @@ def _check_torch(a, b, c, *, bm, bn, units, acc=None, chk=None, alpha=1.0, adden
 # itself is a neighbour of the exact value, and rounding is to half an ulp). The small products,
 # |p_k| < 4 u S_ij (two ulps of the largest running sum), are the ones whose rounding may take one
 # direction; they are grouped in bands of a factor of two in |p_k| / (4 u S_ij), and the sum's
-# threshold grows by
-#     sum over bands of | sum over the sum's elements and the band's products of sign(p_k) min(|p_k|, u S_ij) |:
-# all of it where the small products have one sign (at most twice the worst-case bound, S being
-# at most |addend| + 2 sum |p|), about their random walk where signs are mixed (the threshold
-# already allows that). Larger products round at their running sum's scale, as the threshold's
-# random walk models. The allowance comes from the operands alone, so a fault in C cannot move it.
-# Measured on ordinary linears (randn, K 256-4096, with a bias): a failing sum's threshold grows
-# by at most 4%.
+# threshold grows by what the bands' losses L_b = sum over the sum's elements and the band's products
+# of sign(p_k) min(|p_k|, u S_ij) hold beyond a random walk of their terms (which the threshold
+# models): max(0, sum over bands of |L_b| - 2 sqrt(sum of the terms' squares)). Where the small
+# products have one sign that is nearly all of their loss (at most twice the worst-case bound, S
+# being at most |addend| + 2 sum |p|); where signs are mixed, next to nothing. Larger products round
+# at their running sum's scale, as the threshold's random walk models. The allowance comes from the
+# operands alone, so a fault in C cannot move it.
 # It runs where the verdict is on the host (the CPU; elsewhere, finding the failing sums would
 # synchronise), within LOOK_BUDGET products: a fault that fails more sums stays alarmed.
 LOOK_BUDGET = 2 ** 27
 _LOOK_CHUNK = 2 ** 22           # products per step
 _BANDS = 32                     # bands of |p| / (4 u S), a factor of two each (the last: all below)
+_RANDOM = 2.0                   # the terms' random walk, in its standard deviations, left to the threshold
 
 
 def _looks(verdict):
@@ -450,7 +450,10 @@ def _second_look(out, run, a, b, c, kw, return_sums):
         torch.tensor(batch[1:] + (1,)).flip(0).cumprod(0).flip(0) @ torch.stack(lead)
     key_c = (flat * tm + i // bm) * n + j
     key_r = (flat * m + i) * tn + j // bn
-    grow = lambda key, size: torch.zeros(size, _BANDS, dtype=F64).index_add_(0, key, bands).abs().sum(-1)
+    def grow(key, size):
+        z = torch.zeros(size, 2 * _BANDS, dtype=F64).index_add_(0, key, bands)
+        lost, sq = z[:, :_BANDS], z[:, _BANDS:]
+        return (lost.abs().sum(-1) - _RANDOM * sq.sum(-1).sqrt()).clamp_(min=0)
     thr_c = sums["thr_col"] + grow(key_c, nb * tm * n).view(sums["thr_col"].shape)
     thr_r = sums["thr_row"] + grow(key_r, nb * m * tn).view(sums["thr_row"].shape)
     res_c, res_r = sums["res_col"], sums["res_row"]
@@ -479,8 +482,9 @@ def _second_look(out, run, a, b, c, kw, return_sums):
 
 
 def _absorbed(a, b, addend, beta, alpha, idx, shape, unit):
-    """(len(idx), _BANDS) float64: per element of ``idx`` (rows of (batch..., i, j)) of a product
-    of ``shape``, the sums of its small products p_k (above) by band of |p_k| / (4 u S)."""
+    """(len(idx), 2 _BANDS) float64: per element of ``idx`` (rows of (batch..., i, j)) of a product
+    of ``shape``, the sums of its small products' losses (above) by band of |p_k| / (4 u S), then
+    the sums of their squares."""
     *batch, m, n = shape
     k = a.shape[-1]
     ae = a.expand(*batch, m, k)
@@ -488,7 +492,7 @@ def _absorbed(a, b, addend, beta, alpha, idx, shape, unit):
     d = None
     if addend is not None:
         d = torch.broadcast_to(addend.to(F64) * float(beta), shape)
-    out = torch.zeros(len(idx), _BANDS, dtype=F64)
+    out = torch.zeros(len(idx), 2 * _BANDS, dtype=F64)
     step = max(1, _LOOK_CHUNK // max(k, 1))
     for r0 in range(0, len(idx), step):
         ix = idx[r0:r0 + step]
@@ -502,7 +506,9 @@ def _absorbed(a, b, addend, beta, alpha, idx, shape, unit):
         # a step errs by at most min(|p_k|, u |running sum|): the sum itself is a neighbour of the
         # exact value, and it rounds to half an ulp
         lost = torch.minimum(p.abs(), (unit * s).unsqueeze(-1)).copysign(p)
-        out[r0:r0 + step].scatter_add_(1, band, torch.where(rel < 1, lost, 0.0))
+        lost = torch.where(rel < 1, lost, 0.0)
+        out[r0:r0 + step, :_BANDS].scatter_add_(1, band, lost)
+        out[r0:r0 + step, _BANDS:].scatter_add_(1, band, lost * lost)
     return out
 
 

@@ -480,8 +480,8 @@ def test_the_second_look_lets_lost_products_through_not_a_fault(name):
 @pytest.mark.parametrize("m", [3, 300])
 def test_the_second_look_grows_an_ordinary_threshold_little(m, k):
     """On an ordinary linear (randn, a bias) a fault at 1.1 times its column's threshold still
-    alarms, and the look grows the failing sums' thresholds by less than 5% (at most 1.8%
-    measured)."""
+    alarms, and the look grows the failing sums' thresholds by less than 1% (not at all measured:
+    their small products' losses are a random walk, which the threshold models)."""
     from abft.kernels import reference as R
     g = torch.Generator().manual_seed(m + k)
     x, w = torch.randn(m, k, generator=g), torch.randn(k, 512, generator=g) / k ** 0.5
@@ -495,7 +495,7 @@ def test_the_second_look_grows_an_ordinary_threshold_little(m, k):
         v, _, sums = check(x, w, c, **kw)
         assert L.alarmed(v)[0, 0] and v[0, 0, L.COL] == 7
         grown = sums["thr_col"] / before[2]["thr_col"]
-        assert (grown > 1 - 1e-9).all() and grown.max() < 1.05
+        assert (grown > 1 - 1e-9).all() and grown.max() < 1.01
 
 
 def test_the_second_look_stays_within_its_budget(monkeypatch):
@@ -508,3 +508,24 @@ def test_the_second_look_stays_within_its_budget(monkeypatch):
     assert L.alarmed(R.check(a, b, c, **kw)[0]).all()
     monkeypatch.setattr(R, "LOOK_BUDGET", 3 * 96 * 1024)
     assert not L.alarmed(R.check(a, b, c, **kw)[0]).any()
+
+
+@pytest.mark.parametrize("name", ["check", "check_torch"])
+def test_the_second_look_leaves_peaked_attention_alone(name, monkeypatch):
+    """Attention probabilities (softmax of sharp scores) against values: many products far below
+    their running sum, of both signs. Their losses are mostly a random walk the threshold models,
+    and the look allows little (1.7% of the column's threshold): a fault at 1.1 times it still
+    alarms. (Allowing the bands' losses whole, as a first version did, grew it by 13% and let the
+    fault pass; a campaign fault's by 21%.)"""
+    from abft.kernels import reference as R
+    g = torch.Generator().manual_seed(5)
+    p = torch.softmax(8 * torch.randn(64, 256, generator=g), -1)
+    v = torch.randn(256, 64, generator=g)
+    c = p @ v
+    kw = dict(bm=64, bn=64, units=units(c.dtype), return_sums=True)
+    thr = float(R._check_torch(p, v, c, **kw)[2]["thr_col"][0, 9])
+    c[30, 9] += 1.1 * thr
+    before = R._check_torch(p, v, c, **kw)[2]["thr_col"][0, 9]
+    v_, _, sums = getattr(R, name)(p, v, c, **kw)
+    assert L.alarmed(v_).all() and v_[0, 0, L.COL] == 9
+    assert float(sums["thr_col"][0, 9] / before) < 1.05
