@@ -412,7 +412,9 @@ if triton is not None:
         thr = thr + directed_chk * (0.5 * tl.abs(pred) + tl.sqrt(qs / 3))
         thr = thr + tl.where(low, lowent * sa, 0.0)
         uf = (bs * k * eta_acc) * pow2_tl(-(ex + ey))
-        uf += ftz * (bs * pow2_tl(-ex) * tl.sqrt(k * y1) + pow2_tl(-ey) * tl.sqrt(bs * k * x1))
+        # ftz into each power of two first: 2^-ey alone times the norm overflows for a row near the
+        # smallest normal, and 0 * inf (no flush) made the threshold NaN, then the floor
+        uf += (ftz * pow2_tl(-ex)) * bs * tl.sqrt(k * y1) + (ftz * pow2_tl(-ey)) * tl.sqrt(bs * k * x1)
         thr = thr + uf
         if CAP:
             thr = tl.minimum(thr, (w_t * t + w_sa * sa + uf) * w_scale)

@@ -481,13 +481,13 @@ def test_an_addend_against_rows_below_the_normal_range_is_no_nonfinite_output(ch
     assert v[..., L.STATUS].flatten().tolist() == [L.UNVERIFIED, L.UNVERIFIED, L.OK, L.OK]
 
 
-@pytest.mark.xfail(strict=True, reason="known, not fixed: the fused kernel's row threshold of a row "
-                   "near float32's smallest normal, against B near 2^120, collapses (README)")
 def test_fused_kernel_row_near_the_smallest_normal_does_not_alarm():
     """Found by hypothesis (test_kernel_verdict_is_invariant_under_power_of_two_scaling, drawn
     2026-12-06): A (30, 1) scaled by 2^-119 (one row at 2^-125.7) against B (1, 30) scaled by 2^119,
-    float32, tiles of 32: that row's sum fails at a ratio of 1.5e23 (residual 7.5e-9 against a
-    threshold of 4.9e-32), unscaled it passes. The reference check passes both."""
+    float32, tiles of 32: that row's sum failed at a ratio of 1.5e23 (residual 7.5e-9 against the
+    floor, 4.9e-32 in C's units). The flushed-input term of ``threshold_tl`` formed 2^-ey times the
+    block's norm (2^125 x 8: inf) before multiplying by its coefficient, 0 without a flush: NaN,
+    and a NaN threshold is clamped to the floor. The reference check passed it."""
     pytest.importorskip("triton")
     from abft.kernels import configs
     from abft.kernels import triton_gemm as TG
