@@ -227,16 +227,15 @@ def stats_pair(x, bs, need_abs, y, bs_y, need_abs_y):
 _coef_cache = {}
 
 
-def _packed(units, k, bm, bn, acc, chk, lam, addend, scaled, alpha, beta):
+def _packed(units, k, bm, bn, acc, chk, lam, addend, alpha, beta):
     """The coefficients of the column sums' thresholds (blocks of ``bm`` rows) and of the row
     sums' (``bn`` columns), packed as rows of one float64 tensor, kept per arguments; ``acc``
     None: ``threshold.recursive(k)`` (one object fewer to build and hash per call)."""
-    key = (units, k, bm, bn, acc, chk, lam, addend, scaled, alpha, beta)
+    key = (units, k, bm, bn, acc, chk, lam, addend, alpha, beta)
     p = _coef_cache.get(key)
     if p is None:
         a = acc or T.recursive(k)
-        cs = [T.coefficients(units, k=k, bs=bs, acc=a, chk=chk, lam=lam, addend=addend, scaled_addend=scaled,
-                             alpha=alpha, beta=beta)
+        cs = [T.coefficients(units, k=k, bs=bs, acc=a, chk=chk, lam=lam, addend=addend, alpha=alpha, beta=beta)
               for bs in (bm, bn)]
         p = torch.tensor([[float(getattr(c, f)) for f in COEF_NAMES.split(",")] for c in cs],
                          dtype=F64)
@@ -292,8 +291,7 @@ def check(a, b, c, *, bm, bn, units, acc, chk, alpha, addend, beta, lam, return_
         offs.append(_offsets(d, batch) if batch else _ZERO)
     else:
         offs.append(None)
-    scaled = addend is not None and float(beta) != 1.0
-    coef = _packed(units, k, bm, bn, acc, chk, lam, addend is not None, scaled, float(alpha), float(beta))
+    coef = _packed(units, k, bm, bn, acc, chk, lam, addend is not None, float(alpha), float(beta))
     n_places = min(k, SAMPLES)
     places = _kept_places(k, n_places, c.device)
     verdict = torch.empty(*batch, tm, tn, 9, dtype=torch.float32)

@@ -326,9 +326,7 @@ def _check_torch(a, b, c, *, bm, bn, units, acc=None, chk=None, alpha=1.0, adden
         if k <= T.SMALL_K:
             t_col = _pred_col(ast.absum, b.abs(), bst.e)
             t_row = _pred_row(a.abs(), ast.e, bst.absum)
-        scaled = addend is not None and float(beta) != 1.0
-        terms = dict(acc=acc, chk=chk, lam=lam, addend=addend is not None, scaled_addend=scaled, alpha=alpha,
-                     beta=float(beta))
+        terms = dict(acc=acc, chk=chk, lam=lam, addend=addend is not None, alpha=alpha, beta=float(beta))
         coef_c = T.coefficients(units, k=k, bs=bm, **terms)
         coef_r = T.coefficients(units, k=k, bs=bn, **terms)
         res_c, thr_c, nf_c = _side(coef_c, cs, pred_col, ast, bst, alpha, t_col)

@@ -165,8 +165,7 @@ def _pow2(x):
     return x != 0 and math.frexp(abs(x))[0] == 0.5
 
 
-def coefficients(u, *, k, bs, acc, chk=None, lam=None, addend=False, scaled_addend=False, split=(-1000.0, False),
-                 alpha=1.0, beta=1.0):
+def coefficients(u, *, k, bs, acc, chk=None, lam=None, addend=False, alpha=1.0, beta=1.0, split=(-1000.0, False)):
     """Coefficients of the thresholds of sums of ``bs`` elements of a length-``k`` product.
 
     Args:
@@ -175,15 +174,15 @@ def coefficients(u, *, k, bs, acc, chk=None, lam=None, addend=False, scaled_adde
             (default: recursive).
         lam: the multiplier (None: LAMBDA).
         addend: the product has an addend (addmm, a linear's bias).
-        scaled_addend: beta * addend is formed in the output dtype (torch's half-precision addmm
-            rounds beta to the dtype and the product once more: two roundings with one sign).
+        alpha, beta: the product's and the addend's scales. torch's CPU GEMM scales one operand
+            by alpha before the product (which one is its choice): each scaled element rounds, by
+            up to u.eta_in absolutely where it falls below the normal range (an operand near
+            2^-1068 in float64 loses its last bits), an error the flushed-input term (``ftz``, per
+            element of the other operand, whose norms carry alpha) bounds with
+            u.eta_in / min(1, |alpha|). With beta != 1, beta * addend is formed on its own (torch's
+            half-precision addmm rounds beta to the dtype and the product once more).
         split: (log2 of eta, absolute): the error of a checksum s_k as the check multiplies it
             (the fused kernel's parts, ``prepass.split_error``); (-1000, False): none.
-        alpha, beta: the product's and the addend's scales. torch's CPU GEMM scales one operand by it before the product
-            (which one is its choice): each scaled element rounds, by up to u.eta_in absolutely
-            where it falls below the normal range (an operand near 2^-1068 in float64 loses its
-            last bits), an error the flushed-input term (``ftz``, per element of the other operand,
-            whose norms carry alpha) bounds with u.eta_in / min(1, |alpha|).
 
     alpha and beta are rounded to the GEMM's arithmetic (float32 for float32, bf16 and fp16
     products; beta to a half type itself) and multiply in it: two roundings of one sign on the
@@ -207,7 +206,7 @@ def coefficients(u, *, k, bs, acc, chk=None, lam=None, addend=False, scaled_adde
         ftz = max(ftz, u.eta_in / min(1.0, abs(alpha)))
     by_alpha = 2 * u.acc if alpha != 0 and not _pow2(alpha) else 0.0
     # beta rounded, and its product (half types: both in the dtype, whatever beta)
-    by_beta = 2 * max(u.out, u.acc) if scaled_addend and (u.out or not _pow2(beta)) else 0.0
+    by_beta = 2 * max(u.out, u.acc) if addend and beta != 1 and (u.out or not _pow2(beta)) else 0.0
     return Coefficients(
         lam=LAMBDA if lam is None else float(lam), k=float(k), bs=float(bs),
         p_s2=ua2 * (n / 9 + m * m / (9 * kk)),
