@@ -340,8 +340,8 @@ def _check_torch(a, b, c, *, bm, bn, units, acc=None, chk=None, alpha=1.0, adden
         # Status per tile: inputs finite; output finite (or, where not, provably a fault);
         # thresholds representable.
         inputs_ok = (ast.block_finite().unsqueeze(-1) & bst.block_finite().unsqueeze(-2)).expand(*batch, tm, tn)
-        col_view = lambda z, v: _pad_blocks(z, bn, v)                            # (..., TM, TN, BN)
-        row_view = lambda z, v: _pad_blocks(z.mT, bm, v).transpose(-3, -2)       # (..., TM, TN, BM)
+        col_view = lambda z, v: _col_view(z, bn, v)
+        row_view = lambda z, v: _row_view(z, bm, v)
         if addend is not None and cs[8] is not None:
             inputs_ok = inputs_ok & _tile_all(col_view(cs[8] == 0, True))
         thr_ok = _tile_all(col_view(torch.isfinite(thr_c), True)) \
@@ -369,23 +369,39 @@ def _check_torch(a, b, c, *, bm, bn, units, acc=None, chk=None, alpha=1.0, adden
         rc = torch.where(keep, col_view(rat_c, 0.0), zero)                       # (..., TM, TN, BN)
         rr = torch.where(keep, row_view(rat_r, 0.0), zero)                       # (..., TM, TN, BM)
         sc_c, sc_r = torch.exp2(ex_c), torch.exp2(ex_r)
-        real_c = lambda z: z * sc_c
-        real_r = lambda z: z * sc_r
-        q_off = torch.arange(tn, device=c.device, dtype=F64) * bn
-        p_off = (torch.arange(tm, device=c.device, dtype=F64) * bm).unsqueeze(-1)
-        cw, cf, cidx, cres, cthr = _tile_fields(rc, col_view(real_c(res_c), 0.0), col_view(real_c(thr_c), 1.0), q_off)
-        rw, rf, ridx, rres, rthr = _tile_fields(rr, row_view(real_r(res_r), 0.0), row_view(real_r(thr_r), 1.0), p_off)
-        use_col = cf > 0
-        verdict = torch.stack([rw, rf, ridx, cw, cf, cidx,
-                               torch.where(use_col, cres, rres), torch.where(use_col, cthr, rthr),
-                               status.to(F64)], -1).float()
+        sums = dict(res_col=res_c * sc_c, thr_col=thr_c * sc_c, res_row=res_r * sc_r, thr_row=thr_r * sc_r)
+        verdict = _records(rc, rr, sums, status, bm, bn)
         detail = (rr.transpose(-2, -1).flatten(-3, -2)[..., :m, :].float(),  # (..., M, TN)
                   rc.flatten(-2, -1)[..., :n].float())                        # (..., TM, N)
         if return_sums:
-            sums = dict(res_col=real_c(res_c), thr_col=real_c(thr_c), res_row=real_r(res_r),
-                        thr_row=real_r(thr_r))
             return verdict, detail, sums
     return verdict, detail
+
+
+def _col_view(z, bn, v):
+    """Column sums (..., TM, N) as tiles (..., TM, TN, BN), padded with ``v``."""
+    return _pad_blocks(z, bn, v)
+
+
+def _row_view(z, bm, v):
+    """Row sums (..., M, TN) as tiles (..., TM, TN, BM), padded with ``v``."""
+    return _pad_blocks(z.mT, bm, v).transpose(-3, -2)
+
+
+def _records(rc, rr, sums, status, bm, bn):
+    """The tile records (..., TM, TN, NFIELDS), float32, from the sums' ratios as tiles (``rc``
+    (..., TM, TN, BN), ``rr`` (..., TM, TN, BM)), their residuals and thresholds in C's units
+    (``sums``, as ``return_sums`` gives them) and the tiles' status."""
+    tm, tn = rc.shape[-3], rc.shape[-2]
+    q_off = torch.arange(tn, device=rc.device, dtype=F64) * bn
+    p_off = (torch.arange(tm, device=rc.device, dtype=F64) * bm).unsqueeze(-1)
+    cw, cf, cidx, cres, cthr = _tile_fields(rc, _col_view(sums["res_col"], bn, 0.0),
+                                            _col_view(sums["thr_col"], bn, 1.0), q_off)
+    rw, rf, ridx, rres, rthr = _tile_fields(rr, _row_view(sums["res_row"], bm, 0.0),
+                                            _row_view(sums["thr_row"], bm, 1.0), p_off)
+    use_col = cf > 0
+    return torch.stack([rw, rf, ridx, cw, cf, cidx, torch.where(use_col, cres, rres),
+                        torch.where(use_col, cthr, rthr), status.to(F64)], -1).float()
 
 
 # The second look: products lost below the accumulator's last bit.
@@ -438,58 +454,49 @@ def _second_look(out, run, a, b, c, kw, return_sums):
     m, n, k = c.shape[-2], c.shape[-1], a.shape[-1]
     bm, bn = max(1, min(kw["bm"], m)), max(1, min(kw["bn"], n))
     batch = c.shape[:-2]
-    ok = verdict[..., L.STATUS] == L.OK
-    fail_c = (det_c.abs() > 1) & ok.repeat_interleave(bn, -1)[..., :n]             # (..., TM, N)
-    fail_r = (det_r.abs() > 1) & ok.repeat_interleave(bm, -2)[..., :m, :]          # (..., M, TN)
-    use = fail_c.repeat_interleave(bm, -2)[..., :m, :] | fail_r.repeat_interleave(bn, -1)[..., :n]
-    idx = use.nonzero()
-    if len(idx) == 0 or len(idx) * max(k, 1) > LOOK_BUDGET:
-        return out
-    full = out if return_sums else run(True)
-    sums = full[2]
     tm, tn = verdict.shape[-3], verdict.shape[-2]
-    bands = _absorbed(a, b, kw["addend"], kw["beta"], kw["alpha"], idx, c.shape, kw["units"].acc)
-    *lead, i, j = idx.T
-    nb = 1 if not batch else math.prod(batch)
-    flat = torch.zeros((), dtype=torch.long) if not batch else \
-        torch.tensor(batch[1:] + (1,)).flip(0).cumprod(0).flip(0) @ torch.stack(lead)
-    key_c = (flat * tm + i // bm) * n + j
-    key_r = (flat * m + i) * tn + j // bn
+    per_col = lambda t: t.repeat_interleave(bn, -1)[..., :n]         # (..., T, TN) -> (..., T, N)
+    per_row = lambda t: t.repeat_interleave(bm, -2)[..., :m, :]      # (..., TM, T) -> (..., M, T)
+    status = verdict[..., L.STATUS]
+    ok = status == L.OK
+    fail_c = (det_c.abs() > 1) & per_col(ok)                                         # (..., TM, N)
+    fail_r = (det_r.abs() > 1) & per_row(ok)                                         # (..., M, TN)
+    f = (per_row(fail_c) | per_col(fail_r)).flatten().nonzero().squeeze(-1)         # the elements
+    if len(f) == 0 or len(f) * max(k, 1) > LOOK_BUDGET:
+        return out
+    sums = (out if return_sums else run(True))[2]
+    bi, i, j = f // (m * n), f // n % m, f % n
+    lead = torch.unravel_index(bi, batch) if batch else ()
+    bands = _absorbed(a, b, kw["addend"], kw["beta"], kw["alpha"], lead, i, j, c.shape, kw["units"].acc)
+
     def grow(key, size):
         z = torch.zeros(size, 2 * _BANDS, dtype=F64).index_add_(0, key, bands)
         lost, sq = z[:, :_BANDS], z[:, _BANDS:]
         return (lost.abs().sum(-1) - _RANDOM * sq.sum(-1).sqrt()).clamp_(min=0)
-    thr_c = sums["thr_col"] + grow(key_c, nb * tm * n).view(sums["thr_col"].shape)
-    thr_r = sums["thr_row"] + grow(key_r, nb * m * tn).view(sums["thr_row"].shape)
-    res_c, res_r = sums["res_col"], sums["res_row"]
-    rat_c, rat_r = res_c / thr_c, res_r / thr_r
-    col_view = lambda z, v: _pad_blocks(z, bn, v)                            # (..., TM, TN, BN)
-    row_view = lambda z, v: _pad_blocks(z.mT, bm, v).transpose(-3, -2)       # (..., TM, TN, BM)
+    nb = math.prod(batch)
+    thr_c = sums["thr_col"] + grow((bi * tm + i // bm) * n + j, nb * tm * n).view(sums["thr_col"].shape)
+    thr_r = sums["thr_row"] + grow((bi * m + i) * tn + j // bn, nb * m * tn).view(sums["thr_row"].shape)
+    rat_c, rat_r = sums["res_col"] / thr_c, sums["res_row"] / thr_r
     # the tiles looked at: each holds a failing sum, and every sum of it a usable ratio
     good = lambda thr, rat: torch.isfinite(thr) & (thr > 0) & torch.isfinite(rat)
-    looked = ok & (_tile_any(col_view(fail_c, False)) | _tile_any(row_view(fail_r, False))) \
-        & _tile_all(col_view(good(thr_c, rat_c), True)) & _tile_all(row_view(good(thr_r, rat_r), True))
-    q_off = torch.arange(verdict.shape[-2], dtype=F64) * bn
-    p_off = (torch.arange(verdict.shape[-3], dtype=F64) * bm).unsqueeze(-1)
-    cw, cf, cidx, cres, cthr = _tile_fields(col_view(rat_c, 0.0), col_view(res_c, 0.0), col_view(thr_c, 1.0), q_off)
-    rw, rf, ridx, rres, rthr = _tile_fields(row_view(rat_r, 0.0), row_view(res_r, 0.0), row_view(thr_r, 1.0), p_off)
-    use_col = cf > 0
-    again = torch.stack([rw, rf, ridx, cw, cf, cidx, torch.where(use_col, cres, rres),
-                         torch.where(use_col, cthr, rthr), verdict[..., L.STATUS].to(F64)], -1).float()
+    looked = ok & (_tile_any(_col_view(fail_c, bn, False)) | _tile_any(_row_view(fail_r, bm, False))) \
+        & _tile_all(_col_view(good(thr_c, rat_c), bn, True)) & _tile_all(_row_view(good(thr_r, rat_r), bm, True))
+    grown = dict(sums, thr_col=thr_c, thr_row=thr_r)
+    again = _records(_col_view(rat_c, bn, 0.0), _row_view(rat_r, bm, 0.0), grown, status, bm, bn)
     verdict = torch.where(looked.unsqueeze(-1), again, verdict)
-    det_c = torch.where(looked.repeat_interleave(bn, -1)[..., :n], rat_c.float(), det_c)
-    det_r = torch.where(looked.repeat_interleave(bm, -2)[..., :m, :], rat_r.float(), det_r)
+    det_c = torch.where(per_col(looked), rat_c.float(), det_c)
+    det_r = torch.where(per_row(looked), rat_r.float(), det_r)
     res = (verdict, (det_r, det_c))
     if return_sums:
-        res += (dict(sums, thr_col=torch.where(looked.repeat_interleave(bn, -1)[..., :n], thr_c, sums["thr_col"]),
-                     thr_row=torch.where(looked.repeat_interleave(bm, -2)[..., :m, :], thr_r, sums["thr_row"])),)
+        res += (dict(sums, thr_col=torch.where(per_col(looked), thr_c, sums["thr_col"]),
+                     thr_row=torch.where(per_row(looked), thr_r, sums["thr_row"])),)
     return (*res, L.summary(verdict))
 
 
-def _absorbed(a, b, addend, beta, alpha, idx, shape, unit):
-    """(len(idx), 2 _BANDS) float64: per element of ``idx`` (rows of (batch..., i, j)) of a product
-    of ``shape``, the sums of its small products' losses (above) by band of |p_k| / (4 u S), then
-    the sums of their squares."""
+def _absorbed(a, b, addend, beta, alpha, lead, i, j, shape, unit):
+    """(len(i), 2 _BANDS) float64: per element (``lead`` (its batch indices), ``i``, ``j``) of a
+    product of ``shape``, the sums of its small products' losses (above) by band of
+    |p_k| / (4 u S), then the sums of their squares."""
     *batch, m, n = shape
     k = a.shape[-1]
     ae = a.expand(*batch, m, k)
@@ -497,23 +504,23 @@ def _absorbed(a, b, addend, beta, alpha, idx, shape, unit):
     d = None
     if addend is not None:
         d = torch.broadcast_to(addend.to(F64) * float(beta), shape)
-    out = torch.zeros(len(idx), 2 * _BANDS, dtype=F64)
+    out = torch.zeros(len(i), 2 * _BANDS, dtype=F64)
     step = max(1, _LOOK_CHUNK // max(k, 1))
-    for r0 in range(0, len(idx), step):
-        ix = idx[r0:r0 + step]
-        lead = tuple(ix[:, :-2].T)
-        p = ae[(*lead, ix[:, -2])].to(F64) * bt[(*lead, ix[:, -1])].to(F64) * float(alpha)
-        s = 2 * p.cumsum(-1).abs().amax(-1) if k else p.new_zeros(len(ix))
+    for r0 in range(0, len(i), step):
+        part = slice(r0, r0 + step)
+        ld, ip, jp = tuple(x[part] for x in lead), i[part], j[part]
+        p = ae[(*ld, ip)].to(F64) * bt[(*ld, jp)].to(F64) * float(alpha)
+        s = 2 * p.cumsum(-1).abs().amax(-1) if k else p.new_zeros(len(ip))
         if d is not None:
-            s = s + d[tuple(ix.T)].abs()
+            s = s + d[(*ld, ip, jp)].abs()
         rel = p.abs() / (4 * unit * s).unsqueeze(-1)
         band = (-torch.frexp(rel)[1]).clamp_(0, _BANDS - 1)        # rel in [2^-b-1, 2^-b): band b
         # a step errs by at most min(|p_k|, u |running sum|): the sum itself is a neighbour of the
         # exact value, and it rounds to half an ulp
         lost = torch.minimum(p.abs(), (unit * s).unsqueeze(-1)).copysign(p)
         lost = torch.where(rel < 1, lost, 0.0)
-        out[r0:r0 + step, :_BANDS].scatter_add_(1, band, lost)
-        out[r0:r0 + step, _BANDS:].scatter_add_(1, band, lost * lost)
+        out[part, :_BANDS].scatter_add_(1, band, lost)
+        out[part, _BANDS:].scatter_add_(1, band, lost * lost)
     return out
 
 
