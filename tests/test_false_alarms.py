@@ -238,6 +238,7 @@ def _fuzzed(family, dtype, g):
     thousandth to a thousand times the products, one time in three with B's columns below the
     normal range (A large, so that the products are normal)."""
     import math
+    from abft.kernels import threshold as T
     fi = torch.finfo(dtype)
     emin, emax = int(math.log2(fi.smallest_normal)), int(math.log2(fi.max))
     r = lambda lo, hi, shape=(): torch.randint(lo, hi, shape, generator=g).double()
@@ -268,7 +269,7 @@ def _fuzzed(family, dtype, g):
         beta = pick([0.6, 1 / 3, -1.3, 2.0, 1.0])
         sa = sb = 0
         if int(r(0, 3)) == 0:
-            sb = emin - int(r(0, {torch.float64: 53, torch.float32: 24, torch.float16: 11}.get(dtype, 8)))
+            sb = emin - int(r(0, int(-math.log2(T.UNIT[dtype]))))      # into the subnormals
             sa = min(emax - 12, -sb - int(r(0, 20)))
         a = (torch.randn(m, k, **f64) * 2.0 ** sa).to(dtype)
         b = (torch.randn(k, n, **f64) * 2.0 ** sb).to(dtype)
@@ -384,13 +385,9 @@ def test_a_clean_product_summed_in_any_order_does_not_alarm(dtype):
 
 def _worst(check, a, b, c, addend=None, **kw):
     """The largest |ratio| of any sum of ``check``'s verdict on c = a @ b (+ addend)."""
-    v, (rr, rc) = check(a, b, c, bm=256, bn=256, units=_units(c), addend=addend, **kw)[:2]
-    return max(float(rr.abs().max()), float(rc.abs().max()))
-
-
-def _units(c):
     from abft.kernels import reference as R
-    return R.units_for(c)
+    v, (rr, rc) = check(a, b, c, bm=256, bn=256, units=R.units_for(c), addend=addend, **kw)[:2]
+    return max(float(rr.abs().max()), float(rc.abs().max()))
 
 
 @pytest.mark.parametrize("check", ["check", "check_torch"])
