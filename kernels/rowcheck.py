@@ -431,7 +431,7 @@ def launch(a, b, enc, check, inject_kind=0, inject_at=(-1, -1, 0, 0), inject_val
     acc, chk = accumulation(k, a.dtype, bk, tn)
     u = T.units(a.dtype, check=torch.float32, stored=False, flush=dev.type == "cuda")
     coef = T.pack(T.coefficients(u, k=k, bs=n, acc=acc, chk=chk,
-                                 split=_prepass.split_error(a.dtype, False)), device=dev)
+                                 split=_prepass.split_error(a.dtype, False), parts=enc.nparts), device=dev)
     # a square below float32's normal range may be lost (flushed) from each of the K products:
     # at most the smallest normal times W's largest entry (x <= N, s^2 <= N^2 in B's units)
     tiny = k * torch.finfo(torch.float32).tiny

@@ -22,7 +22,10 @@ collects the round-off of
    ``eta_absolute``, then 2^(eta_log2 - E));
 5. underflow, bounded deterministically: eta_acc per product term (half the smallest fp32 subnormal,
    or the smallest normal where products are flushed to zero), eta_out per stored element, and
-   subnormal inputs flushed to zero (bf16 on CPUs).
+   subnormal inputs flushed to zero (bf16 on CPUs); in the fused kernels, eta_acc also per product
+   of the predicted dot product (``chk_parts`` parts of each checksum times the other operand: a
+   row near float32's smallest normal times a checksum of order 1 in its block's units falls
+   below the normal range even where the data's products do not).
 
 6. addmm's alpha and beta, rounded to the GEMM's arithmetic and multiplied in it (two roundings of
    one sign on the scaled term: per |pred| and per sum |addend|), and an operand scaled by alpha
@@ -151,6 +154,9 @@ class Coefficients:
     out: float          # per sum |C|: u_out / (1 - u_out), the rounding bound relative to the stored value
     out_add: float      # allowance per sum |addend| when beta * addend is rounded on its own
     eta_acc: float      # underflow per product term (times bs K)
+    chk_parts: float    # products per k of the predicted dot product that may underflow, eta_acc each
+                        # at the summed side's scale 2^-ey (the fused kernels' checksum parts; 0: the
+                        # reference check, whose float64 predictions of scaled values do not underflow)
     eta_out: float      # underflow per stored element (times bs)
     ftz: float          # flushed subnormal inputs (smallest normal of the input dtype)
     w_t: float          # worst case per T
@@ -159,13 +165,20 @@ class Coefficients:
     w_scale: float      # the worst case's final factor (a little below the rigorous bound)
     cap: bool           # K <= SMALL_K: cap by the worst case
 
+    @property
+    def eta_acc_log2(self):
+        """log2 of eta_acc (a power of two; -1000 for none), as the kernels load it: 2^-150 is no
+        float32."""
+        return math.log2(self.eta_acc) if self.eta_acc > 0 else -1000.0
+
 
 def _pow2(x):
     """x is +-2^n: scaling by it is exact (in the normal range)."""
     return x != 0 and math.frexp(abs(x))[0] == 0.5
 
 
-def coefficients(u, *, k, bs, acc, chk=None, lam=None, addend=False, alpha=1.0, beta=1.0, split=(-1000.0, False)):
+def coefficients(u, *, k, bs, acc, chk=None, lam=None, addend=False, alpha=1.0, beta=1.0, split=(-1000.0, False),
+                 parts=0):
     """Coefficients of the thresholds of sums of ``bs`` elements of a length-``k`` product.
 
     Args:
@@ -183,6 +196,9 @@ def coefficients(u, *, k, bs, acc, chk=None, lam=None, addend=False, alpha=1.0, 
             half-precision addmm rounds beta to the dtype and the product once more).
         split: (log2 of eta, absolute): the error of a checksum s_k as the check multiplies it
             (the fused kernel's parts, ``prepass.split_error``); (-1000, False): none.
+        parts: how many parts of each checksum the check multiplies in the accumulator's arithmetic
+            (the fused kernels: ``prepass.parts_for``), each product of which may underflow; 0:
+            the predictions are float64 products of scaled values (the reference check).
 
     alpha and beta are rounded to the GEMM's arithmetic (float32 for float32, bf16 and fp16
     products; beta to a half type itself) and multiply in it: two roundings of one sign on the
@@ -220,7 +236,7 @@ def coefficients(u, *, k, bs, acc, chk=None, lam=None, addend=False, alpha=1.0, 
         directed=2 * u.acc * n if acc.directed else 0.0,
         directed_chk=2 * u.chk * nc if chk.directed else 0.0,
         eta_log2=float(split[0]), eta_absolute=1.0 if split[1] else 0.0,
-        out=gamma(1, u.out), out_add=by_beta, eta_acc=u.eta_acc, eta_out=u.eta_out, ftz=ftz,
+        out=gamma(1, u.out), out_add=by_beta, eta_acc=u.eta_acc, chk_parts=float(parts), eta_out=u.eta_out, ftz=ftz,
         w_t=gamma(n + m - 1 + int(addend), unit_w) + gamma(k, u.chk) + gamma(bs, u.chk) + 2 * u.tf + by_alpha,
         # the addend may start the accumulation (MKL's small float32 addmm does): each of its
         # steps rounds at the addend's magnitude too, not one step
@@ -322,12 +338,16 @@ def pow2_factors(x):
 
 def _underflow(c, ex, ey, x1, y1, nout, exp2, sqrt):
     """Deterministic underflow allowance in scaled units: eta_acc per product term, eta_out per
-    stored element below the normal range, flushed inputs; its 2^-(ex + ey) (at least 2^-1000) in
-    two factors (``pow2_factors``)."""
+    stored element below the normal range, flushed inputs, eta_acc per product of the predicted
+    dot product (the fused kernels' checksum parts, in units of 2^ex already: times 2^-ey); each
+    2^-x (at least 2^-1000) in two factors (``pow2_factors``)."""
     hi, lo = pow2_factors((-(ex + ey)).clamp(min=-1000.0))
     uf = (c.bs * c.k * c.eta_acc + nout * c.eta_out) * hi * lo
     if c.ftz:
         uf = uf + c.ftz * (c.bs * exp2(-ex) * sqrt(c.k * y1) + exp2(-ey) * sqrt(c.bs * c.k * x1))
+    if c.chk_parts:
+        hi, lo = pow2_factors((-ey).clamp(min=-1000.0))
+        uf = uf + (c.k * c.chk_parts * c.eta_acc) * hi * lo
     return uf
 
 
@@ -338,8 +358,8 @@ except ImportError:             # the reference backend needs no triton
     triton = None
 
 COEF_FIELDS = ("lam", "k", "bs", "p_s2", "p_q", "c_p2", "c_qs", "c_s12", "c_s2", "c_q", "bias",
-               "lowent", "directed", "eta_acc", "ftz", "w_t", "w_sa", "w_scale", "directed_chk",
-               "eta_log2", "eta_absolute")
+               "lowent", "directed", "eta_acc_log2", "ftz", "w_t", "w_sa", "w_scale", "directed_chk",
+               "eta_log2", "eta_absolute", "chk_parts")
 
 
 def pack(*coefs, device=None):
@@ -357,6 +377,13 @@ if triton is not None:
         """2^e, exactly, for float e holding an integer (clamped to the normal float32 range)."""
         ei = tl.minimum(tl.maximum(e, -126.0), 127.0).to(tl.int32)
         return ((ei + 127) << 23).to(tl.float32, bitcast=True)
+
+    @triton.jit
+    def times_pow2_tl(x, e):
+        """x 2^e for float e holding an integer, in two factors (``pow2_tl`` clamps one 2^e to
+        float32's normal range): the float32 nearest x 2^e for e in [-252, 254]."""
+        h = tl.floor(e * 0.5)
+        return (x * pow2_tl(h)) * pow2_tl(e - h)
 
     @triton.jit
     def holder_tl(x1, xinf, y1, yinf):
@@ -392,7 +419,7 @@ if triton is not None:
         bias = tl.load(coef_ptr + 10)
         lowent = tl.load(coef_ptr + 11)
         directed = tl.load(coef_ptr + 12)
-        eta_acc = tl.load(coef_ptr + 13)
+        eta_acc_log2 = tl.load(coef_ptr + 13)
         ftz = tl.load(coef_ptr + 14)
         w_t = tl.load(coef_ptr + 15)
         w_sa = tl.load(coef_ptr + 16)
@@ -400,6 +427,7 @@ if triton is not None:
         directed_chk = tl.load(coef_ptr + 18)
         eta_log2 = tl.load(coef_ptr + 19)
         eta_absolute = tl.load(coef_ptr + 20)
+        chk_parts = tl.load(coef_ptr + 21)
         prod = p_s2 * s2 + p_q * q
         # a corrupted sum may overflow its square: clamped, a huge error stays an alarm
         check = c_p2 * tl.minimum(pred * pred, _BIG) + c_qs * qs + c_s12 * tl.minimum(s1 * s1, _BIG) \
@@ -410,7 +438,9 @@ if triton is not None:
         thr = thr + directed * (0.5 * tl.abs(pred) + tl.sqrt(q / 3))
         thr = thr + directed_chk * (0.5 * tl.abs(pred) + tl.sqrt(qs / 3))
         thr = thr + tl.where(low, lowent * sa, 0.0)
-        uf = (bs * k * eta_acc) * pow2_tl(-(ex + ey))
+        # eta_acc per product term and per product of the predicted dot product (2^-150 in two
+        # factors: one 2^e is clamped at float32's smallest normal)
+        uf = times_pow2_tl(bs * k, eta_acc_log2 - (ex + ey)) + times_pow2_tl(k * chk_parts, eta_acc_log2 - ey)
         # ftz into each power of two first: 2^-ey alone times the norm overflows for a row near the
         # smallest normal, and 0 * inf (no flush) made the threshold NaN, then the floor
         uf += (ftz * pow2_tl(-ex)) * bs * tl.sqrt(k * y1) + (ftz * pow2_tl(-ey)) * tl.sqrt(bs * k * x1)

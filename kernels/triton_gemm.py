@@ -664,8 +664,8 @@ def checked_gemm(a, b, bias=None, *, addend=None, alpha=1.0, beta=1.0, tiles=Non
                     flush=a.device.type == "cuda")
         acc = accumulation(k, a.dtype, lay.tf32, bk)
         split = _prepass.split_error(a.dtype, lay.tf32)
-        coef = T.pack(T.coefficients(u, k=k, bs=bm - lay.ra, acc=acc, chk=acc, lam=lam, split=split),
-                      T.coefficients(u, k=k, bs=bn - lay.rb, acc=acc, chk=acc, lam=lam, split=split),
+        kw = dict(k=k, acc=acc, chk=acc, lam=lam, split=split, parts=lay.nparts)
+        coef = T.pack(T.coefficients(u, bs=bm - lay.ra, **kw), T.coefficients(u, bs=bn - lay.rb, **kw),
                       device=a.device)
         pa, pb = pre_a.parts, pre_b.parts
         ar, ab, br, bb = pre_a.rows, pre_a.blocks, pre_b.rows, pre_b.blocks

@@ -307,17 +307,22 @@ def _sensitive_cases():
         a = torch.ones(40, 100).to(dt)
         b = torch.randint(-2, 3, (100, 24), generator=g).to(dt)
         yield a, b, a @ b, dict(bm=16, bn=8)
+        # rows near the smallest normal: the predicted dot product's underflow (chk_parts)
+        if dt != torch.float16:
+            a = (r(40, 200) * 2.0 ** (-1000 if dt == torch.float64 else -120)).to(dt)
+            b = r(200, 24).to(dt)
+            yield a, b, a @ b, dict(bm=16, bn=8)
 
 
 @pytest.mark.parametrize("field", compiled.COEF_NAMES.split(","))
 def test_a_changed_threshold_term_changes_the_verdicts(field, monkeypatch):
     """Mutation test: the compiled threshold reads every coefficient. Both checks get the split
-    error term switched on (eta 2^-50: the fused kernel's, off in the reference), so that it is
-    compared too; then each coefficient changed in turn in the compiled check only (x 1.5; 0 set
+    error term and the predicted product's underflow switched on (eta 2^-50 and three parts: the
+    fused kernel's, off in the reference), so that they are compared too; then each coefficient changed in turn in the compiled check only (x 1.5; 0 set
     to 0.5; ``cap`` flipped) makes some sum's threshold differ from the oracle's."""
     i = compiled.COEF_NAMES.split(",").index(field)
     coefficients = T.coefficients
-    monkeypatch.setattr(T, "coefficients", lambda *a, **kw: dataclasses.replace(coefficients(*a, **kw), eta_log2=-50.0))
+    monkeypatch.setattr(T, "coefficients", lambda *a, **kw: dataclasses.replace(coefficients(*a, **kw), eta_log2=-50.0, chk_parts=3.0))
     monkeypatch.setattr(compiled, "_coef_cache", {})
     packed = compiled._packed
 
@@ -338,10 +343,11 @@ def test_a_changed_threshold_term_changes_the_verdicts(field, monkeypatch):
 
 
 def test_the_sensitive_cases_agree_with_every_term_on(monkeypatch):
-    """The cases the mutation test uses, with the split error on in both checks: no difference
+    """The cases the mutation test uses, with the split error and the predicted product's
+    underflow on in both checks: no difference
     before any mutation (else a mutation's difference would prove nothing)."""
     coefficients = T.coefficients
-    monkeypatch.setattr(T, "coefficients", lambda *a, **kw: dataclasses.replace(coefficients(*a, **kw), eta_log2=-50.0))
+    monkeypatch.setattr(T, "coefficients", lambda *a, **kw: dataclasses.replace(coefficients(*a, **kw), eta_log2=-50.0, chk_parts=3.0))
     monkeypatch.setattr(compiled, "_coef_cache", {})
     for a, b, c, kw in _sensitive_cases():
         got, want, loose = both(a, b, c, **kw)

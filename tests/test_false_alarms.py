@@ -495,3 +495,30 @@ def test_fused_kernel_row_near_the_smallest_normal_does_not_alarm():
     b = torch.randn(1, 30, generator=g, dtype=torch.float64).float() * 2.0 ** 119
     _, v, _ = TG.checked_gemm(a, b, tiles=(32, 32))
     assert not L.alarmed(v).any(), v
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("n", [1, 5, 30])
+def test_fused_kernel_allows_its_checksum_products_below_the_normal_range(dtype, n):
+    """The draw beside the one above, at 28 rows: A (28, 1) scaled by 2^-119 against B (1, n) by
+    2^119. The data's products stay normal; the row checksums' (a row near 2^-125.7 times B's
+    checksum of order 1 in its block's units) fall below float32's normal range and round to its
+    subnormal grid, so a row's residual moved (its ratio doubled, from 0.014 to 0.028) while its
+    threshold did not: the kernel allowed underflow only at the data products' scale, and its
+    2^-150 per term (the interpreter's, subnormals honoured) packed as float32 was 0. Each sum's
+    residual may move by its threshold's growth at most: the growth is the underflow allowance."""
+    pytest.importorskip("triton")
+    from abft.kernels import configs
+    from abft.kernels import triton_gemm as TG
+    if not configs.interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1")
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(28, 1, generator=g, dtype=torch.float64).to(dtype)
+    b = torch.randn(1, n, generator=g, dtype=torch.float64).to(dtype)
+    *_, s = TG.checked_gemm(a, b, tiles=(32, 32), return_sums=True)
+    *_, v2, _, s2 = TG.checked_gemm(a * 2.0 ** -119, b * 2.0 ** 119, tiles=(32, 32), return_sums=True)
+    assert not L.alarmed(v2).any()
+    for side in ("row", "col"):
+        moved = (s2["res_" + side].double() - s["res_" + side].double()).abs()
+        grown = s2["thr_" + side].double() - s["thr_" + side].double()
+        assert (moved <= grown).all(), (side, moved.max().item(), grown.min().item())

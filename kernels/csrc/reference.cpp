@@ -28,11 +28,11 @@ typedef int64_t i64;
 // The order of threshold.Coefficients' fields, as compiled.py packs them (checked at load).
 extern "C" const char* abft_coef_names() {
     return "lam,k,bs,p_s2,p_q,p_d2,c_p2,c_qs,c_s12,c_s2,c_q,bias,lowent,directed,directed_chk,"
-           "eta_log2,eta_absolute,out,out_add,eta_acc,eta_out,ftz,w_t,w_sa,w_da,w_scale,cap";
+           "eta_log2,eta_absolute,out,out_add,eta_acc,chk_parts,eta_out,ftz,w_t,w_sa,w_da,w_scale,cap";
 }
 enum { LAM, KK, BS, P_S2, P_Q, P_D2, C_P2, C_QS, C_S12, C_S2, C_Q, BIAS, LOWENT, DIRECTED,
-       DIRECTED_CHK, ETA_LOG2, ETA_ABSOLUTE, OUT, OUT_ADD, ETA_ACC, ETA_OUT, FTZ, W_T, W_SA, W_DA,
-       W_SCALE, CAP, NCOEF };
+       DIRECTED_CHK, ETA_LOG2, ETA_ABSOLUTE, OUT, OUT_ADD, ETA_ACC, CHK_PARTS, ETA_OUT, FTZ, W_T, W_SA,
+       W_DA, W_SCALE, CAP, NCOEF };
 
 enum { DT_F32 = 0, DT_F64 = 1, DT_BF16 = 2, DT_F16 = 3 };
 static const double NaN = std::numeric_limits<double>::quiet_NaN();
@@ -1458,6 +1458,13 @@ static inline __attribute__((always_inline)) v4d threshold4(const double* c, v4d
     if (c[FTZ] != 0)
         uf += c[FTZ] * (c[BS] * pow2(-ex) * sqrt4(c[KK] * y1) +
                         pow2_4(-ey) * std::sqrt(c[BS] * c[KK] * x1));
+    if (c[CHK_PARTS] != 0) {        // the predicted dot product's products, at 2^-ey (0 here: its
+        v4d f = -ey;                // predictions are float64; the fused kernels' term)
+        f = sel(splat(-1000.0) < f, f, splat(-1000.0));
+        uf += (c[KK] * c[CHK_PARTS] * c[ETA_ACC] *
+               (v4d){pow2_hi(f[0]), pow2_hi(f[1]), pow2_hi(f[2]), pow2_hi(f[3])}) *
+              (v4d){pow2_lo(f[0]), pow2_lo(f[1]), pow2_lo(f[2]), pow2_lo(f[3])};
+    }
     thr += uf;
     if (c[CAP] != 0 && has_t) {
         v4d w = c[W_T] * t + c[W_SA] * sa + uf;
