@@ -346,7 +346,8 @@ def _underflow(c, ex, ey, x1, y1, nout, exp2, sqrt):
     if c.ftz:
         uf = uf + c.ftz * (c.bs * exp2(-ex) * sqrt(c.k * y1) + exp2(-ey) * sqrt(c.bs * c.k * x1))
     if c.chk_parts:
-        hi, lo = pow2_factors((-ey).clamp(min=-1000.0))
+        e = -ey if torch.is_tensor(ey) else torch.tensor(-float(ey), dtype=torch.float64)
+        hi, lo = pow2_factors(e.clamp(min=-1000.0))
         uf = uf + (c.k * c.chk_parts * c.eta_acc) * hi * lo
     return uf
 
