@@ -436,6 +436,24 @@ def test_the_coefficient_order_is_the_dataclass_fields():
     assert names == {f.name for f in dataclasses.fields(T.Coefficients)}
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
+def test_b_with_padded_rows_gives_the_oracles_verdicts(dtype):
+    """B a view of a wider matrix's columns (``w[:, :n]``: rows contiguous, further apart than its
+    width): the column predictions read B's row k at k N instead of k * stride, and 102 of 600
+    layouts of A, B, C and an addend differed from the oracle, every one of them with B so, in
+    every dtype (alarms on clean products)."""
+    g = torch.Generator().manual_seed(10)
+    for m, k, n, pad in ((70, 48, 40, 5), (96, 300, 520, 8), (64, 20, 8, 24)):
+        a = torch.randn(m, k, generator=g).to(dtype)
+        b = torch.randn(k, n + pad, generator=g).to(dtype)[:, :n]
+        assert b.stride() == (n + pad, 1)
+        d = torch.randn(n, generator=g).to(dtype)
+        for c, kw in ((a @ b, dict()), (torch.addmm(d, a, b, alpha=0.5, beta=2.0), dict(addend=d, alpha=0.5, beta=2.0))):
+            got, want, loose = both(a, b, c, bm=32, bn=16, **kw)
+            assert differences(got, want, dtype == torch.float64, loose) == [], (m, k, n)
+            assert not L.alarmed(got[0]).any()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_column_major_outputs_and_full_addends_give_the_oracles_verdicts(dtype):
     """C stored column-major (a transposed product's canonical view), a full (M, N) addend, a

@@ -1141,7 +1141,7 @@ extern "C" int abft_stats2(const i64* dims0, const void* const* ptrs0, const i64
 // the tile goes down rows a cache line or more apart, which the hardware prefetchers follow too
 // late to keep up (a 2304-column B streamed at 7-8 GB/s without, 18 with).
 template <int NP, int NV, bool ABS, bool PRE, int W, typename T>
-static inline void thin_tile(const T* x, i64 N, const double* s, i64 K, i64 k0, i64 k1, const double* sc,
+static inline void thin_tile(const T* x, i64 xs, i64 N, const double* s, i64 K, i64 k0, i64 k1, const double* sc,
                              double* out, i64 pf) {
     typedef typename vec<W>::type V;
     constexpr int LINES = (W * NV * (int)sizeof(T) + 63) / 64;
@@ -1150,7 +1150,7 @@ static inline void thin_tile(const T* x, i64 N, const double* s, i64 K, i64 k0, 
         for (int v = 0; v < NV; v++) acc[p][v] = splat_w<W>(0.0);
     for (int v = 0; v < NV; v++) scv[v] = PRE ? load_w<W>(sc + W * v) : splat_w<W>(1.0);
     for (i64 k = k0; k < k1; k++) {
-        const T* xk = x + k * N;
+        const T* xk = x + k * xs;
         if (pf)
             for (int l = 0; l < LINES; l++) __builtin_prefetch(xk + pf + l * (64 / (int)sizeof(T)), 0, 1);
         V xv[NV];
@@ -1188,7 +1188,7 @@ constexpr int THIN_W = 4;
 #endif
 constexpr i64 THIN_CW1 = 8 * THIN_W;                  // columns a tile for one row of s
 template <int NV, bool ABS, bool PRE, typename T>
-static void thin_tiles(const T* x, i64 N, const double* s, i64 K, i64 TM, i64 k0, i64 k1, const double* sc,
+static void thin_tiles(const T* x, i64 xs, i64 N, const double* s, i64 K, i64 TM, i64 k0, i64 k1, const double* sc,
                        double* out, i64 pf) {
     // NV: groups of four columns; NW vectors of THIN_W lanes a row of s
     static_assert(NV * 4 % THIN_W == 0, "a tile's columns fill its vectors");
@@ -1196,7 +1196,7 @@ static void thin_tiles(const T* x, i64 N, const double* s, i64 K, i64 TM, i64 k0
                   G = THIN_ACC / NW < GMAX ? THIN_ACC / NW : GMAX;
     i64 p = 0;
     auto tile = [&](auto np) {
-        thin_tile<decltype(np)::value, NW, ABS, PRE, THIN_W>(x, N, s + p * K, K, k0, k1, sc, out + p * N, pf);
+        thin_tile<decltype(np)::value, NW, ABS, PRE, THIN_W>(x, xs, N, s + p * K, K, k0, k1, sc, out + p * N, pf);
         p += np;
         pf = 0;
     };
@@ -1212,12 +1212,12 @@ static void thin_tiles(const T* x, i64 N, const double* s, i64 K, i64 TM, i64 k0
 
 // thin_tiles for columns 4NV wide, by the run-time choice of |x| and scaling
 template <int NV, typename T>
-static void thin_cols(bool absb, bool pre, const T* x, i64 N, const double* s, i64 K, i64 TM, i64 k0, i64 k1,
-                      const double* sc, double* out, i64 pf) {
-    if (pre && absb) thin_tiles<NV, true, true>(x, N, s, K, TM, k0, k1, sc, out, pf);
-    else if (pre) thin_tiles<NV, false, true>(x, N, s, K, TM, k0, k1, sc, out, pf);
-    else if (absb) thin_tiles<NV, true, false>(x, N, s, K, TM, k0, k1, sc, out, pf);
-    else thin_tiles<NV, false, false>(x, N, s, K, TM, k0, k1, sc, out, pf);
+static void thin_cols(bool absb, bool pre, const T* x, i64 xs, i64 N, const double* s, i64 K, i64 TM, i64 k0,
+                      i64 k1, const double* sc, double* out, i64 pf) {
+    if (pre && absb) thin_tiles<NV, true, true>(x, xs, N, s, K, TM, k0, k1, sc, out, pf);
+    else if (pre) thin_tiles<NV, false, true>(x, xs, N, s, K, TM, k0, k1, sc, out, pf);
+    else if (absb) thin_tiles<NV, true, false>(x, xs, N, s, K, TM, k0, k1, sc, out, pf);
+    else thin_tiles<NV, false, false>(x, xs, N, s, K, TM, k0, k1, sc, out, pf);
 }
 
 // The thin product out (TM, N) = s (TM, K) @ (|b| if absb else b) (K, N), each column times
@@ -1226,8 +1226,10 @@ template <typename T>
 static void thin_t(const T* b, i64 K, i64 N, i64 sk, i64 sn, const double* s, i64 TM, const double* f,
                    bool absb, bool pre, int nt, double* out) {
     if (sn == 1 && N >= 8) {
-        // rows of b contiguous: strips of W columns, K in chunks of KT rows (a strip's chunk, 128 KB
-        // of float32, stays in L2 for the groups of rows of s), a tile's accumulators in registers
+        // rows of b contiguous, each sk apart (a view of a wider matrix's columns has sk > N: they
+        // were read N apart, and every tile alarmed): strips of W columns, K in chunks of KT rows
+        // (a strip's chunk, 128 KB of float32, stays in L2 for the groups of rows of s), a tile's
+        // accumulators in registers
         // (strips of at most 256 columns, as many as a multiple of the threads where the columns
         // allow: a product of 256 to 768 columns no longer leaves a thread idle; a column's sum
         // does not depend on its strip)
@@ -1245,7 +1247,7 @@ static void thin_t(const T* b, i64 K, i64 N, i64 sk, i64 sn, const double* s, i6
                 for (i64 j = 0; j < w; j++) sc[j] = pow2(-f[j0 + j]);
                 for (i64 p = 0; p < TM; p++) std::fill(out + p * N + j0, out + p * N + j0 + w, 0.0);
                 for (i64 k0 = 0; k0 < K; k0 += KT) {
-                    const i64 k1 = std::min(K, k0 + KT), pf = stream && k1 < K ? KT * N : 0;
+                    const i64 k1 = std::min(K, k0 + KT), pf = stream && k1 < K ? KT * sk : 0;
                     // columns in groups of cw: 16 (8 for four rows of s or more without AVX-512)
                     // or 32 (one row; 64 in eight-lane tiles): eight or more chains of multiply-adds
                     i64 j = 0;
@@ -1254,20 +1256,20 @@ static void thin_t(const T* b, i64 K, i64 N, i64 sk, i64 sn, const double* s, i6
                         double *o = out + j0 + j, *c = sc.data() + j;
                         if constexpr (THIN_CW1 == 64)      // (eight-lane tiles only)
                             if (cw == 64) {
-                                thin_cols<16>(absb, pre, x, N, s, K, TM, k0, k1, c, o, pf);
+                                thin_cols<16>(absb, pre, x, sk, N, s, K, TM, k0, k1, c, o, pf);
                                 continue;
                             }
-                        if (cw == 32) thin_cols<8>(absb, pre, x, N, s, K, TM, k0, k1, c, o, pf);
-                        else if (cw == 16) thin_cols<4>(absb, pre, x, N, s, K, TM, k0, k1, c, o, pf);
-                        else thin_cols<2>(absb, pre, x, N, s, K, TM, k0, k1, c, o, pf);
+                        if (cw == 32) thin_cols<8>(absb, pre, x, sk, N, s, K, TM, k0, k1, c, o, pf);
+                        else if (cw == 16) thin_cols<4>(absb, pre, x, sk, N, s, K, TM, k0, k1, c, o, pf);
+                        else thin_cols<2>(absb, pre, x, sk, N, s, K, TM, k0, k1, c, o, pf);
                     }
                     for (; j < w8; j += 8)
-                        thin_cols<2>(absb, pre, b + j0 + j, N, s, K, TM, k0, k1, sc.data() + j, out + j0 + j, pf);
+                        thin_cols<2>(absb, pre, b + j0 + j, sk, N, s, K, TM, k0, k1, sc.data() + j, out + j0 + j, pf);
                     for (i64 j = w8; j < w; j++)          // the last (up to seven) columns
                         for (i64 p = 0; p < TM; p++) {
                             double a = 0.0;
                             for (i64 k = k0; k < k1; k++) {
-                                double v = cvt(b[k * N + j0 + j]);
+                                double v = cvt(b[k * sk + j0 + j]);
                                 if (absb) v = std::fabs(v);
                                 a += s[p * K + k] * (pre ? v * sc[j] : v);
                             }
