@@ -455,6 +455,25 @@ def test_b_with_padded_rows_gives_the_oracles_verdicts(dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_b_with_rows_4kb_apart_from_memory_gives_the_oracles_verdicts(dtype):
+    """A B of 8 MB or more whose rows are a multiple of 4 KB apart, against four or more blocks of
+    A's rows: the column predictions copy each chunk of B's rows to rows a line further apart
+    first (``thin_t``); the same sums as the oracle's, a corrupted element found."""
+    g = torch.Generator().manual_seed(9)
+    k, n = {torch.float32: (2048, 1024), torch.bfloat16: (2048, 2048), torch.float64: (1024, 1024)}[dtype]
+    a = torch.randn(160, k, generator=g).to(dtype)
+    b = torch.randn(k, n, generator=g).to(dtype)
+    assert k * n * b.element_size() >= 8 << 20 and n * b.element_size() % 4096 == 0
+    c = a @ b
+    got, want, loose = both(a, b, c, bm=32, bn=256)
+    assert differences(got, want, dtype == torch.float64, loose) == []
+    c[77, 600] += 1000.0
+    got, want, loose = both(a, b, c, bm=32, bn=256)
+    assert differences(got, want, dtype == torch.float64, loose) == []
+    assert L.alarmed(got[0]).sum() == 1
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_column_major_outputs_and_full_addends_give_the_oracles_verdicts(dtype):
     """C stored column-major (a transposed product's canonical view), a full (M, N) addend, a
     broadcast batched addend (baddbmm's), alpha and beta: the layouts the special cases lack."""

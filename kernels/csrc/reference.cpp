@@ -1242,45 +1242,94 @@ static void thin_t(const T* b, i64 K, i64 N, i64 sk, i64 sn, const double* s, i6
         // prefetch the next chunk where b comes from memory (PF_BYTES; a b of 6 MB: 1-3% slower
         // with it in a loop here; 16-21 MB: 13-24% faster)
         const bool stream = K * N * (i64)sizeof(T) >= PF_BYTES;
-        auto strip = [&](i64 st, std::vector<double>& sc) {
-                const i64 j0 = st * W, w = std::min(W, N - j0), w8 = w / 8 * 8;
-                for (i64 j = 0; j < w; j++) sc[j] = pow2(-f[j0 + j]);
-                for (i64 p = 0; p < TM; p++) std::fill(out + p * N + j0, out + p * N + j0 + w, 0.0);
-                for (i64 k0 = 0; k0 < K; k0 += KT) {
-                    const i64 k1 = std::min(K, k0 + KT), pf = stream && k1 < K ? KT * sk : 0;
-                    // columns in groups of cw: 16 (8 for four rows of s or more without AVX-512)
-                    // or 32 (one row; 64 in eight-lane tiles): eight or more chains of multiply-adds
-                    i64 j = 0;
-                    for (; j + cw <= w8; j += cw) {
-                        const T* x = b + j0 + j;
-                        double *o = out + j0 + j, *c = sc.data() + j;
-                        if constexpr (THIN_CW1 == 64)      // (eight-lane tiles only)
-                            if (cw == 64) {
-                                thin_cols<16>(absb, pre, x, sk, N, s, K, TM, k0, k1, c, o, pf);
-                                continue;
-                            }
-                        if (cw == 32) thin_cols<8>(absb, pre, x, sk, N, s, K, TM, k0, k1, c, o, pf);
-                        else if (cw == 16) thin_cols<4>(absb, pre, x, sk, N, s, K, TM, k0, k1, c, o, pf);
-                        else thin_cols<2>(absb, pre, x, sk, N, s, K, TM, k0, k1, c, o, pf);
+        std::vector<double> scale(N);                     // 2^-f_j
+        for (i64 j = 0; j < N; j++) scale[j] = pow2(-f[j]);
+        // strip st's chunk k0..k1, b's row k at xb + k xs
+        // (ahead, its bytes: spread over the column groups, prefetched into L2)
+        auto chunk = [&](i64 st, i64 k0, i64 k1, const T* xb, i64 xs, i64 pf, const char* ahead = nullptr,
+                         i64 ahead_bytes = 0) {
+            const i64 j0 = st * W, w = std::min(W, N - j0), w8 = w / 8 * 8;
+            const double* sc = scale.data() + j0;
+            const i64 per_group = (ahead_bytes / 64 + w8 / 8) / std::max<i64>(1, w8 / 8) * 64;
+            i64 done = 0;
+            // columns in groups of cw: 16 (8 for four rows of s or more without AVX-512)
+            // or 32 (one row; 64 in eight-lane tiles): eight or more chains of multiply-adds
+            i64 j = 0;
+            for (; j + cw <= w8; j += cw) {
+                for (i64 q = 0; ahead && q < per_group * (cw / 8) && done < ahead_bytes; q += 64, done += 64)
+                    __builtin_prefetch(ahead + done, 0, 1);
+                const T* x = xb + j0 + j;
+                double* o = out + j0 + j;
+                const double* c = sc + j;
+                if constexpr (THIN_CW1 == 64)      // (eight-lane tiles only)
+                    if (cw == 64) {
+                        thin_cols<16>(absb, pre, x, xs, N, s, K, TM, k0, k1, c, o, pf);
+                        continue;
                     }
-                    for (; j < w8; j += 8)
-                        thin_cols<2>(absb, pre, b + j0 + j, sk, N, s, K, TM, k0, k1, sc.data() + j, out + j0 + j, pf);
-                    for (i64 j = w8; j < w; j++)          // the last (up to seven) columns
-                        for (i64 p = 0; p < TM; p++) {
-                            double a = 0.0;
-                            for (i64 k = k0; k < k1; k++) {
-                                double v = cvt(b[k * sk + j0 + j]);
-                                if (absb) v = std::fabs(v);
-                                a += s[p * K + k] * (pre ? v * sc[j] : v);
-                            }
-                            out[p * N + j0 + j] += a;
-                        }
+                if (cw == 32) thin_cols<8>(absb, pre, x, xs, N, s, K, TM, k0, k1, c, o, pf);
+                else if (cw == 16) thin_cols<4>(absb, pre, x, xs, N, s, K, TM, k0, k1, c, o, pf);
+                else thin_cols<2>(absb, pre, x, xs, N, s, K, TM, k0, k1, c, o, pf);
+            }
+            for (; j < w8; j += 8)
+                thin_cols<2>(absb, pre, xb + j0 + j, xs, N, s, K, TM, k0, k1, sc + j, out + j0 + j, pf);
+            for (i64 j = w8; j < w; j++)          // the last (up to seven) columns
+                for (i64 p = 0; p < TM; p++) {
+                    double a = 0.0;
+                    for (i64 k = k0; k < k1; k++) {
+                        double v = cvt(xb[k * xs + j0 + j]);
+                        if (absb) v = std::fabs(v);
+                        a += s[p * K + k] * (pre ? v * sc[j] : v);
+                    }
+                    out[p * N + j0 + j] += a;
                 }
-                if (!pre)
-                    for (i64 p = 0; p < TM; p++)
-                        for (i64 j = 0; j < w; j++) out[p * N + j0 + j] *= sc[j];
         };
-        parallel_for(th, strips, [&] { return std::vector<double>(W + 8); }, strip);
+        auto begin = [&](i64 st) {
+            const i64 j0 = st * W, w = std::min(W, N - j0);
+            for (i64 p = 0; p < TM; p++) std::fill(out + p * N + j0, out + p * N + j0 + w, 0.0);
+        };
+        auto end = [&](i64 st) {
+            const i64 j0 = st * W, w = std::min(W, N - j0);
+            if (!pre)
+                for (i64 p = 0; p < TM; p++)
+                    for (i64 j = 0; j < w; j++) out[p * N + j0 + j] *= scale[j0 + j];
+        };
+        auto none = [] { return 0; };
+        if (stream && sk * (i64)sizeof(T) % 4096 == 0 && TM >= 4) {
+            // b's rows a multiple of 4 KB apart and from memory: a chunk's rows of one group of
+            // columns all fall in one set of L1 and a few of L2, and the passes after the first
+            // over them (one per group of rows of s) came from L3 or memory (the float32 4096^3
+            // product: 13.3-14.6 ms, 8.0-8.3 ms at 4104 columns). Each chunk is copied first, row
+            // by row (whole rows, in order), to rows a line more apart (10.8-10.9 ms); the same
+            // sums. (Packing a chunk's groups of columns as float64, or blocks of 4 rows for every
+            // group of rows of s in turn, gave nothing: BENCHMARKS.md.)
+            const i64 XS = N + 64 / (i64)sizeof(T);
+            std::vector<T> pad((size_t)KT * XS);
+            parallel_for(th, strips, none, [&](i64 st, int) { begin(st); });
+            for (i64 k0 = 0; k0 < K; k0 += KT) {
+                const i64 k1 = std::min(K, k0 + KT);
+                parallel_for(th, k1 - k0, none, [&](i64 r, int) {
+                    std::memcpy(pad.data() + r * XS, b + (k0 + r) * sk, N * sizeof(T));
+                });
+                // the next chunk's rows, in order, shared out among the strips (into L2; what L2
+                // cannot hold goes on to L3): the copy then finds them there
+                const i64 n1 = std::min(K, k1 + KT) - k1;
+                parallel_for(th, strips, none, [&](i64 st, int) {
+                    const i64 r0 = k1 + n1 * st / strips, r1 = k1 + n1 * (st + 1) / strips;
+                    chunk(st, k0, k1, pad.data() - k0 * XS, XS, 0, (const char*)(b + r0 * sk),
+                          (r1 - r0) * sk * (i64)sizeof(T));
+                });
+            }
+            parallel_for(th, strips, none, [&](i64 st, int) { end(st); });
+        } else {
+            parallel_for(th, strips, none, [&](i64 st, int) {
+                begin(st);
+                for (i64 k0 = 0; k0 < K; k0 += KT) {
+                    const i64 k1 = std::min(K, k0 + KT);
+                    chunk(st, k0, k1, b, sk, stream && k1 < K ? KT * sk : 0);
+                }
+                end(st);
+            });
+        }
     } else if (sn == 1 || sk != 1) {
         // rows of b contiguous (or neither): out[:, strip] += s[:, k] * b[k, strip]
         i64 W = std::min(N, std::max<i64>(16, std::min<i64>(512, (1 << 11) / std::max<i64>(TM, 1))));
