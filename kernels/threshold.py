@@ -336,19 +336,21 @@ def pow2_factors(x):
     return torch.exp2(hi), torch.exp2(x - hi)
 
 
+def _times_pow2(x, e):
+    """x 2^e for a tensor e (at least -1000) in two factors (``pow2_factors``)."""
+    hi, lo = pow2_factors(e.clamp(min=-1000.0))
+    return x * hi * lo
+
+
 def _underflow(c, ex, ey, x1, y1, nout, exp2, sqrt):
     """Deterministic underflow allowance in scaled units: eta_acc per product term, eta_out per
     stored element below the normal range, flushed inputs, eta_acc per product of the predicted
-    dot product (the fused kernels' checksum parts, in units of 2^ex already: times 2^-ey); each
-    2^-x (at least 2^-1000) in two factors (``pow2_factors``)."""
-    hi, lo = pow2_factors((-(ex + ey)).clamp(min=-1000.0))
-    uf = (c.bs * c.k * c.eta_acc + nout * c.eta_out) * hi * lo
+    dot product (the fused kernels' checksum parts, in units of 2^ex already: times 2^-ey)."""
+    uf = _times_pow2(c.bs * c.k * c.eta_acc + nout * c.eta_out, -(ex + ey))
     if c.ftz:
         uf = uf + c.ftz * (c.bs * exp2(-ex) * sqrt(c.k * y1) + exp2(-ey) * sqrt(c.bs * c.k * x1))
     if c.chk_parts:
-        e = -ey if torch.is_tensor(ey) else torch.tensor(-float(ey), dtype=torch.float64)
-        hi, lo = pow2_factors(e.clamp(min=-1000.0))
-        uf = uf + (c.k * c.chk_parts * c.eta_acc) * hi * lo
+        uf = uf + _times_pow2(c.k * c.chk_parts * c.eta_acc, -ey)
     return uf
 
 

@@ -68,7 +68,7 @@ from abft.kernels import configs as _configs
 from abft.kernels import layout as L
 from abft.kernels import prepass as _prepass
 from abft.kernels import threshold as T
-from abft.kernels.threshold import pow2_tl, threshold_tl
+from abft.kernels.threshold import pow2_tl, threshold_tl, times_pow2_tl
 
 INJECT_KINDS = L.INJECT_KINDS
 
@@ -270,17 +270,12 @@ def checked_gemm_kernel(
         s_t = pow2_tl(-(e_p + f_q))
         # the parts are the checksums in units of 2^E_p (2^F_q): to the column's (row's) units by
         # 2^-F_q (2^-E_p), as two factors that stay in float32's range for any finite operand
-        h_q = tl.floor(-f_q * 0.5)
-        h_p = tl.floor(-e_p * 0.5)
-        pc_unit = pow2_tl(h_q)
-        pc_unit2 = pow2_tl(-f_q - h_q)
-        pr_unit = pow2_tl(h_p)
-        pr_unit2 = pow2_tl(-e_p - h_p)
+        # (times_pow2_tl)
         # the column sums go through the scratch (L2) and come back one column per thread; one
         # sum at a time (the barriers keep their partial sums from being live together). Squares
         # of a corrupted accumulator may overflow: clamped, a huge error stays an alarm.
         ws = ws_ptr + ((pid_b * TM + pid_m) * TN + pid_n) * (4 * BLOCK_N)
-        tl.store(ws + 3 * BLOCK_N + j, tl.sum(tl.where(ck_m[:, None], acc, 0.0), 0) * pc_unit * pc_unit2)
+        tl.store(ws + 3 * BLOCK_N + j, times_pow2_tl(tl.sum(tl.where(ck_m[:, None], acc, 0.0), 0), -f_q))
         tl.debug_barrier()
         tl.store(ws + j, tl.sum(tl.where(d_ok, acc * s_t, 0.0), 0))
         tl.debug_barrier()
@@ -294,7 +289,7 @@ def checked_gemm_kernel(
         z4 = tl.where(d_ok, acc * (s_t * 0.0625), 0.0)
         s2_r = tl.minimum(tl.minimum(tl.sum(z4 * z4, 1), big / 256) * 256 * up_r * up_r, big)
         sa_r = tl.sum(tl.where(d_ok, tl.abs(acc) * (s_t * 0.03125), 0.0), 1) * 32 * up_r
-        p_r = tl.sum(tl.where(ck_n[None, :], acc, 0.0), 1) * pr_unit * pr_unit2 * up_r
+        p_r = times_pow2_tl(tl.sum(tl.where(ck_n[None, :], acc, 0.0), 1), -e_p) * up_r
         jc = tl.arange(0, BLOCK_N)
         rc_n = pid_n * DN + jc
         nc_ok = (jc < DN) & (rc_n < N)

@@ -1466,6 +1466,15 @@ static inline v4d sqrt4(v4d v) {
 }
 static inline v4d pow2_4(v4d e) { return (v4d){pow2(e[0]), pow2(e[1]), pow2(e[2]), pow2(e[3])}; }
 
+// x 2^e, e at least -1000, in two factors (pow2_hi, pow2_lo; threshold._times_pow2)
+static inline v4d times_pow2_4(v4d x, v4d e) {
+    e = sel(splat(-1000.0) < e, e, splat(-1000.0));
+    x *= (v4d){pow2_hi(e[0]), pow2_hi(e[1]), pow2_hi(e[2]), pow2_hi(e[3])};
+    if (e[0] > POW2_SPLIT || e[1] > POW2_SPLIT || e[2] > POW2_SPLIT || e[3] > POW2_SPLIT)
+        x *= (v4d){pow2_lo(e[0]), pow2_lo(e[1]), pow2_lo(e[2]), pow2_lo(e[3])};
+    return x;
+}
+
 static inline __attribute__((always_inline)) v4d threshold4(const double* c, v4d s1, v4d s2, v4d sa,
                         v4d pred, double x1, double xinf, double xs1, double xsinf, v4d y1, v4d yinf,
                         double nu, m4 low, double ex, v4d ey, bool has_d, v4d d2, v4d da, bool has_t,
@@ -1499,23 +1508,13 @@ static inline __attribute__((always_inline)) v4d threshold4(const double* c, v4d
     else bad |= ~fin4(sa);
     thr = sel(bad, splat(NaN), thr);
     if (c[OUT_ADD] != 0 && has_d) thr += c[OUT_ADD] * da;
-    // 2^-(ex + ey), at least 2^-1000, in two factors (pow2_hi, pow2_lo; threshold._underflow)
-    v4d e = -(ex + ey);
-    e = sel(splat(-1000.0) < e, e, splat(-1000.0));
-    v4d uf = (c[BS] * c[KK] * c[ETA_ACC] + nout * c[ETA_OUT]) *
-             (v4d){pow2_hi(e[0]), pow2_hi(e[1]), pow2_hi(e[2]), pow2_hi(e[3])};
-    if (e[0] > POW2_SPLIT || e[1] > POW2_SPLIT || e[2] > POW2_SPLIT || e[3] > POW2_SPLIT)
-        uf *= (v4d){pow2_lo(e[0]), pow2_lo(e[1]), pow2_lo(e[2]), pow2_lo(e[3])};
+    // eta per product term and stored element at 2^-(ex + ey); per product of the predicted dot
+    // product at 2^-ey (0 here: its predictions are float64; the fused kernels' term)
+    v4d uf = times_pow2_4(c[BS] * c[KK] * c[ETA_ACC] + nout * c[ETA_OUT], -(ex + ey));
     if (c[FTZ] != 0)
         uf += c[FTZ] * (c[BS] * pow2(-ex) * sqrt4(c[KK] * y1) +
                         pow2_4(-ey) * std::sqrt(c[BS] * c[KK] * x1));
-    if (c[CHK_PARTS] != 0) {        // the predicted dot product's products, at 2^-ey (0 here: its
-        v4d f = -ey;                // predictions are float64; the fused kernels' term)
-        f = sel(splat(-1000.0) < f, f, splat(-1000.0));
-        uf += (c[KK] * c[CHK_PARTS] * c[ETA_ACC] *
-               (v4d){pow2_hi(f[0]), pow2_hi(f[1]), pow2_hi(f[2]), pow2_hi(f[3])}) *
-              (v4d){pow2_lo(f[0]), pow2_lo(f[1]), pow2_lo(f[2]), pow2_lo(f[3])};
-    }
+    if (c[CHK_PARTS] != 0) uf += times_pow2_4(splat(c[KK] * c[CHK_PARTS] * c[ETA_ACC]), -ey);
     thr += uf;
     if (c[CAP] != 0 && has_t) {
         v4d w = c[W_T] * t + c[W_SA] * sa + uf;
