@@ -135,6 +135,21 @@ def estimate(shape, name, weight, k_main, k_plain, k_verify, cfg, verify_program
                 estimated_ratio=checked_s / unchecked_s)
 
 
+def launches(R, a, b, cfg):
+    """The launches of a checked and an unchecked row-checked A.B on "meta" operands, as
+    (role, variant, kernel, grid, args, meta, options): checked main and verify, unchecked main.
+    ``R``: the row check's module (``kernels/rowcheck.py``, or an edit of it)."""
+    k = a.shape[1]
+    e = lambda *s, dt=a.dtype: torch.empty(*s, dtype=dt, device="meta")
+    enc = R.Encoding(e(k, R.VW), e(k, R.VW), e(R.BLOCK_FIELDS, dt=torch.float32), 3)
+    for check in (True, False):
+        run = R.launch(a, b, enc, check, config=cfg)
+        for role in ("main", "verify") if check else ("main",):
+            grid, args, meta, kopts = run[role]
+            fn = R.row_check_kernel if role == "main" else R.row_verify_kernel
+            yield role, "checked" if check else "unchecked", fn, grid, args, meta, kopts
+
+
 def run(out_dir, shapes, gemms, compile_once, roofline, peak_flops, arch=90):
     """Compile the row-checked GEMM's launches for ``arch`` at ``shapes`` (``static.compile_once``);
     the report's "rows" section: kernels, per-GEMM costs, per-layer costs."""
@@ -148,21 +163,13 @@ def run(out_dir, shapes, gemms, compile_once, roofline, peak_flops, arch=90):
         for name, a, b, weight in gemms(t, i, o):
             m, k = a.shape
             n = b.shape[1]
-            e = lambda *s, dt=a.dtype: torch.empty(*s, dtype=dt, device="meta")
-            enc = R.Encoding(e(k, R.VW), e(k, R.VW), e(R.BLOCK_FIELDS, dt=torch.float32), 3)
             read = {}
-            for check in (True, False):
-                launches = R.launch(a, b, enc, check, config=cfg)
-                roles = ("main", "verify") if check else ("main",)
-                for role in roles:
-                    grid, args, meta, kopts = launches[role]
-                    fn = R.row_check_kernel if role == "main" else R.row_verify_kernel
-                    variant = "checked" if check else "unchecked"
-                    info = compile_once(seen, kernels, fn, args, meta, kopts, role, variant, arch,
-                                        out_dir, f"{t}x{i}->{o} {name}",
-                                        lambda path: read_kernel(path, sass, kopts["num_warps"]),
-                                        prefix="rows_")
-                    read[(role, variant)] = (info, grid, meta, kopts)
+            for role, variant, fn, grid, args, meta, kopts in launches(R, a, b, cfg):
+                info = compile_once(seen, kernels, fn, args, meta, kopts, role, variant, arch,
+                                    out_dir, f"{t}x{i}->{o} {name}",
+                                    lambda path: read_kernel(path, sass, kopts["num_warps"]),
+                                    prefix="rows_")
+                read[(role, variant)] = (info, grid, meta, kopts)
             vinfo, vgrid, vmeta, vopts = read[("verify", "checked")]
             c = estimate((m, k, n), f"{t}x{i}->{o} {name}", weight, read[("main", "checked")][0],
                          read[("main", "unchecked")][0], vinfo, dict(cfg, **opts), vgrid[0],

@@ -63,3 +63,29 @@ def test_rowflips_counts_the_flips_each_kernel_catches(capsys):
     assert rows[0]["row"] <= rows[0]["above"] and rows[0]["tile"] <= rows[0]["above"]
     rowflips.main(["--m", "8", "--k", "64", "--n", "64", "--seeds", "1"])
     assert "| 31 |" in capsys.readouterr().out
+
+
+@pytest.mark.slow
+def test_rowfloor_decomposes_the_row_checks_cost(tmp_path):
+    """benchmarks/rowfloor.py compiles its variants of the row check (edits of its source: they
+    must still apply) and prints each part's share and a floor below every estimate as built."""
+    import os
+    import re
+    import subprocess
+    import sys
+    here = os.path.dirname(__file__)
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    out = subprocess.run([sys.executable, os.path.join(here, "..", "benchmarks", "rowfloor.py"),
+                          "--out", str(tmp_path)], env=env, capture_output=True, text=True,
+                         check=True).stdout
+    for v in ("as built", "host descriptors", "two loops, no slice", "one loop + epilogue"):
+        assert f"| {v} |" in out
+    est = {}
+    for line in out.splitlines():
+        m = re.match(r"\| (\S+ \w+) \| (as built|floor \(share loop \+ \d+\)) \|.* (\d\.\d{4}) \|$",
+                     line)
+        if m:
+            est.setdefault(m.group(1), {})[m.group(2).split(" (")[0]] = float(m.group(3))
+    assert len(est) == 6, out
+    assert all(1.0 < e["floor"] < e["as built"] for e in est.values()), est
+    assert "warp_specialize=True flatten=False: USETMAXREG" in out

@@ -145,7 +145,8 @@ def test_every_row_checked_kernel_keeps_the_product_loop_lean_and_asynchronous(r
 @pytest.mark.xfail(strict=True, reason="not met: 1.035-1.061 per GEMM, 1.037 and 1.053 a layer "
                    "(BENCHMARKS.md): at K = 4096 the code outside the K loops (the second loop's "
                    "prologue, the epilogue's row sums) is 2.6%, the share steps' instructions 1.5%, "
-                   "the A tile to registers 0.8%, the verify launch 0.5%")
+                   "the A tile to registers 0.8%, the verify launch 0.5%; benchmarks/rowfloor.py: "
+                   "the 4096 -> 4096 layer's floor in this form is 1.025, above 1.02")
 def test_the_row_checks_estimated_cost_is_within_three_percent(report):
     _, rep = report
     worst = max(c["estimated_ratio"] for c in rep["rows"]["cost"])
