@@ -64,13 +64,15 @@ def _async(body, sass):
 
 def read_kernel(path, sass, warps):
     """Per K loop (by address): instructions, tensor cycles, LDSM cycles, opcodes; instructions
-    outside the loops; registers and spills."""
+    outside the loops, and by opcode; registers and spills."""
     ins = sass.disassemble(path)
     info = sass.summary(path)
     loops = []
     inside = 0
+    in_loops = set()
     for lo, hi, body in sass.tensor_loops(ins):
         inside += len(body)
+        in_loops.update(a for a, _ in ins if lo <= a <= hi)
         loops.append(dict(
             instructions=len(body), tensor_cycles=_tensor_cycles(body, sass, warps // 4),
             ldsm_cycles=_ldsm_cycles(body, sass, warps),
@@ -82,8 +84,10 @@ def read_kernel(path, sass, warps):
     other = [sum(1 for a, _ in ins if lo <= a <= hi) for lo, hi in sass.loops(ins)
              if lo < hi and not any(sass.opcode(t) == "EXIT" or sass.opcode(t).startswith(
                  sass.TENSOR_CORE) for a, t in ins if lo <= a <= hi)]
+    outside_ops = collections.Counter(sass.opcode(t).split(".")[0] for a, t in ins if a not in in_loops)
     return dict(regs=info["regs"], stack=info["stack"], spills=info["spills"],
-                instructions=len(ins), outside=len(ins) - inside, loops=loops, other_loops=other)
+                instructions=len(ins), outside=len(ins) - inside, loops=loops, other_loops=other,
+                outside_by_opcode=dict(outside_ops.most_common()))
 
 
 def estimate(shape, name, weight, k_main, k_plain, k_verify, cfg, verify_programs, verify_warps,
@@ -150,6 +154,16 @@ def launches(R, a, b, cfg):
             yield role, "checked" if check else "unchecked", fn, grid, args, meta, kopts
 
 
+def gemm_cost(read, shape, name, weight, cfg, roofline, peak_flops, main=None, verify=None):
+    """``estimate`` of one GEMM from its launches as read: ``read[(role, variant)]`` = (info, grid,
+    meta, options) of the checked main and verify kernels and the unchecked main kernel;
+    ``main``, ``verify``: other read fields to cost in place of the checked ones."""
+    vinfo, vgrid, vmeta, vopts = read[("verify", "checked")]
+    return estimate(shape, name, weight, main or read[("main", "checked")][0],
+                    read[("main", "unchecked")][0], verify or vinfo, cfg, vgrid[0],
+                    vopts["num_warps"], -(-vmeta["ROWS"] // vmeta["BLOCK_R"]), roofline, peak_flops)
+
+
 def run(out_dir, shapes, gemms, compile_once, roofline, peak_flops, arch=90):
     """Compile the row-checked GEMM's launches for ``arch`` at ``shapes`` (``static.compile_once``);
     the report's "rows" section: kernels, per-GEMM costs, per-layer costs."""
@@ -170,11 +184,8 @@ def run(out_dir, shapes, gemms, compile_once, roofline, peak_flops, arch=90):
                                     lambda path: read_kernel(path, sass, kopts["num_warps"]),
                                     prefix="rows_")
                 read[(role, variant)] = (info, grid, meta, kopts)
-            vinfo, vgrid, vmeta, vopts = read[("verify", "checked")]
-            c = estimate((m, k, n), f"{t}x{i}->{o} {name}", weight, read[("main", "checked")][0],
-                         read[("main", "unchecked")][0], vinfo, dict(cfg, **opts), vgrid[0],
-                         vopts["num_warps"], -(-vmeta["ROWS"] // vmeta["BLOCK_R"]), roofline,
-                         peak_flops)
+            c = gemm_cost(read, (m, k, n), f"{t}x{i}->{o} {name}", weight, dict(cfg, **opts),
+                          roofline, peak_flops)
             cost.append(c)
             layer.append(c)
         layers.append(dict(layer=f"{t}x{i}->{o}",

@@ -4,8 +4,8 @@
     python benchmarks/rowfloor.py [--out DIR]
 
 The forward GEMM of 16384 tokens x 4096 -> 4096 (K = 4096: the shape furthest from the gate) is
-compiled for sm_90a in variants of ``kernels/rowcheck.py``'s main kernel, each a source edit
-of it loaded in place of the module (nothing in the tree changes):
+compiled for sm_90a in variants of ``kernels/rowcheck.py``'s main kernel, each a source edit of it
+loaded as a module of its own (nothing in the tree changes):
 
 - ``as built``: the kernel as it is;
 - ``host descriptors``: A, B, V and W as TMA descriptors made on the host (kernel arguments), not
@@ -18,22 +18,22 @@ The differences between their instructions outside the K loops give what each pa
 in the model's arithmetic (each instruction an issue slot of its warp, 8 warps on 4 schedulers,
 once per tile, against the tile's tensor-core cycles). Then, for every GEMM of both layers, the
 floor: ``bench/rows.py``'s estimate with the share loop cut to the unchecked loop plus its slice's
-dots, the A tile's load to registers and its square (HGMMA, LDSM, HMUL2), and the code outside the
+dots, the A tile's load to registers and its square (HGMMA, LDSM, HMUL2), the code outside the
 loops cut to the unchecked kernel's plus the epilogue's arithmetic (FADD, FFMA, FMUL, SHFL of the
-row sums and sums of squares, from the ``one loop + epilogue`` variant); the tensor cores', the
-shared memory's, the HBM's and the verify launch's shares as the model counts them; once more
-without the verify launch, and once more with the epilogue's arithmetic overlapped too (as a
-ping-pong schedule would hide it behind another tile's wgmma). Every instruction this removes
-is counted as if it could go: a floor, not a plan. Last, whether this Triton warp-specialises a
-persistent Hopper kernel (so that a tile's epilogue could overlap the next tile's loop): a plain
-persistent GEMM compiled with ``warp_specialize`` and with ``flatten``; register reallocation
-between warp groups (USETMAXREG) is what a warp-specialised Hopper kernel has.
+row sums and sums of squares, from the ``one loop + epilogue`` variant), and the verify kernel's
+instructions taken away (its launch at max(the least a launch costs, its bytes)); the tensor
+cores', the shared memory's and the HBM's shares as the model counts them. Once more without the
+verify launch, and once more with the epilogue's arithmetic overlapped too (as a ping-pong
+schedule would hide it behind another tile's wgmma). Every instruction this removes is counted as
+if it could go, some that any version needs among them: the cost is at least this. Last, whether
+this Triton can overlap a tile's epilogue with another's loop on sm_90a: a persistent GEMM with a
+row-sum epilogue compiled with ``warp_specialize`` and ``flatten`` at 4 and 8 warps, and a Gluon
+kernel of two partitions (``gl.warp_specialize``, what a ping-pong kernel would be written with);
+register reallocation between warp groups (USETMAXREG) marks a warp-specialised Hopper kernel.
 """
 import argparse
-import collections
 import importlib.util
 import os
-import sys
 import tempfile
 
 import torch
@@ -44,8 +44,6 @@ from abft.bench import rows as RW
 from abft.bench import sass
 from abft.bench import static as S
 
-SHAPE = (16384, 4096, 4096)          # tokens, in, out: the forward GEMM is 16384 x 4096 x 4096
-SHAPES = ((16384, 4096, 4096), (16384, 4096, 14336))
 SLICE_OPS = ("HGMMA", "HMUL2", "LDSM")       # the slice's dots, A to registers, A^2
 EPILOGUE_OPS = ("FADD", "FFMA", "FMUL", "SHFL")   # the row sums and sums of squares
 
@@ -62,6 +60,7 @@ def _edit(src, name):
         b = src.index("        for j in range(0, n_share):")
         src = src[:a] + "            v_src = v_ptr\n            w_src = w_ptr\n" + src[b:]
         launch = "    tma, a_mmajor, b_kmajor = _tma(a, b)\n"
+        assert launch in src, "the launch's TMA line moved"
         return src.replace(launch, launch + """    if tma:
         from triton.tools.tensor_descriptor import TensorDescriptor as TD
         ad = (TD(a, [k, m], [a.stride(1), 1], [bk, bm]) if a_mmajor
@@ -87,41 +86,43 @@ VARIANTS = ("as built", "host descriptors", "two loops, no slice", "one loop + e
 
 
 def _load(src, tmp, i):
-    """Variant source as a module, standing in for abft.kernels.rowcheck while it is read."""
+    """A variant's source as a module of its own."""
     path = os.path.join(tmp, f"rowcheck_variant{i}.py")
     with open(path, "w") as f:
         f.write(src)
-    spec = importlib.util.spec_from_file_location("abft.kernels.rowcheck", path)
+    spec = importlib.util.spec_from_file_location(f"rowcheck_variant{i}", path)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
 
 
-def _outside_by_opcode(path):
-    ins = sass.disassemble(path)
-    inside = {a for lo, hi, _ in sass.tensor_loops(ins) for a, _t in ins if lo <= a <= hi}
-    return collections.Counter(sass.opcode(t).split(".")[0] for a, t in ins if a not in inside)
+def compile_gemm(R, a, b, out_dir, tag, roles=("main", "verify")):
+    """Compile the row check ``R``'s launches of A.B for sm_90a: {(role, variant): (read fields,
+    grid, meta, options)} (``bench/rows.read_kernel``'s fields, with the cubin's path)."""
+    read = {}
+    for role, variant, fn, grid, args, meta, kopts in RW.launches(R, a, b, R.GPU_CONFIG):
+        if role in roles:
+            path = os.path.join(out_dir, f"{tag}_{role}_{variant}.cubin")
+            S.compile_kernel(fn, args, meta, 90, kopts, path)
+            read[(role, variant)] = (dict(RW.read_kernel(path, sass, kopts["num_warps"]), path=path),
+                                     grid, meta, kopts)
+    return read
 
 
-def compile_variant(mod, out_dir, tag):
-    """The forward main kernel, checked and unchecked: bench/rows.read_kernel's fields each."""
-    import abft.kernels
-    import abft.kernels.rowcheck as saved
-    t, i, o = SHAPE
-    _, a, b, _w = S.gemms(t, i, o)[0]
-    cfg = mod.GPU_CONFIG
-    sys.modules["abft.kernels.rowcheck"], abft.kernels.rowcheck = mod, mod
-    try:
-        out = {}
-        for role, variant, fn, _g, args, meta, kopts in RW.launches(mod, a, b, cfg):
-            if role == "main":
-                path = os.path.join(out_dir, f"{tag}_{variant}.cubin")
-                S.compile_kernel(fn, args, meta, 90, kopts, path)
-                out[variant == "checked"] = dict(RW.read_kernel(path, sass, kopts["num_warps"]),
-                                                 path=path)
-    finally:
-        sys.modules["abft.kernels.rowcheck"], abft.kernels.rowcheck = saved, saved
-    return out, cfg
+def floor_kernels(read, epilogue_ins):
+    """The checked main kernel cut to its floor, and the verify kernel's instructions taken away
+    (its launch then costs max(the least a launch costs, its bytes))."""
+    built = read[("main", "checked")][0]
+    plain = read[("main", "unchecked")][0]
+    share = max(built["loops"], key=lambda lp: lp["tensor_core_instructions"])
+    plain_loop = plain["loops"][0]
+    slice_ins = sum(share["by_opcode"].get(op, 0) - plain_loop["by_opcode"].get(op, 0)
+                    for op in SLICE_OPS)
+    main = dict(built, outside=plain["outside"] + epilogue_ins,
+                loops=[dict(share, instructions=plain_loop["instructions"] + slice_ins)]
+                + [lp for lp in built["loops"] if lp is not share])
+    verify = dict(read[("verify", "checked")][0], instructions=0, other_loops=[])
+    return main, verify, slice_ins
 
 
 @triton.jit
@@ -144,20 +145,68 @@ def _persistent(a_ptr, b_ptr, c_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr
 
 
 def warp_specialisation(out_dir):
-    """{(warp_specialize, flatten): (USETMAXREG count, K loops' instruction counts)}."""
+    """{(warps, warp_specialize, flatten): (USETMAXREG count, K loops' instruction counts)}."""
     m = n = k = 4096
     e = lambda *s: torch.empty(*s, dtype=torch.bfloat16, device="meta")
     res = {}
-    for ws in (False, True):
-        for flat in (False, True):
-            path = os.path.join(out_dir, f"persistent_ws{int(ws)}_flat{int(flat)}.cubin")
-            S.compile_kernel(_persistent, (e(m, k), e(n, k), e(m * n + m), m, n, k),
-                             dict(BM=128, BN=256, BK=64, SMS=132, WS=ws, FLAT=flat), 90,
-                             dict(num_warps=8, num_stages=3), path)
-            ins = sass.disassemble(path)
-            setmax = sum(sass.opcode(t).startswith("USETMAXREG") for _, t in ins)
-            res[(ws, flat)] = (setmax, [len(b) for _, _, b in sass.tensor_loops(ins)])
+    for warps in (4, 8):
+        for ws in (False, True):
+            for flat in (False, True):
+                path = os.path.join(out_dir, f"persistent_w{warps}_ws{int(ws)}_flat{int(flat)}.cubin")
+                S.compile_kernel(_persistent, (e(m, k), e(n, k), e(m * n + m), m, n, k),
+                                 dict(BM=128, BN=256, BK=64, SMS=132, WS=ws, FLAT=flat), 90,
+                                 dict(num_warps=warps, num_stages=3), path)
+                ins = sass.disassemble(path)
+                setmax = sum(sass.opcode(t).startswith("USETMAXREG") for _, t in ins)
+                loops = [(len(b), sum(sass.opcode(t).startswith(sass.TENSOR_CORE) for t in b))
+                         for _, _, b in sass.tensor_loops(ins)]
+                res[(warps, ws, flat)] = (setmax, loops)
     return res
+
+
+def gluon_warp_specialisation(out_dir):
+    """USETMAXREG instructions in a Gluon kernel of two partitions (``gl.warp_specialize``: four
+    warps and one, 24 registers for the one) compiled for sm_90a: what a ping-pong kernel would be
+    written with; None where this Triton has no Gluon."""
+    try:
+        from triton.experimental import gluon
+        from triton.experimental.gluon import language as gl
+        from triton.experimental.gluon._runtime import GluonASTSource
+    except ImportError:
+        return None
+    from triton.backends.compiler import GPUTarget
+
+    @gluon.jit
+    def _default(out, n):
+        lay: gl.constexpr = gl.BlockedLayout([1], [32], [gl.num_warps()], [0])
+        offs = gl.arange(0, 128, layout=lay)
+        x = gl.load(out + offs)
+        for _ in range(n):
+            x = x * 1.5 + 1.0
+        gl.store(out + offs, x)
+
+    @gluon.jit
+    def _worker(out, n):
+        lay: gl.constexpr = gl.BlockedLayout([1], [32], [1], [0])
+        gl.store(out + 128 + gl.arange(0, 32, layout=lay), gl.full([32], 2.0, gl.float32, lay))
+
+    @gluon.jit
+    def _two_partitions(out, n):
+        gl.warp_specialize([(_default, (out, n)), (_worker, (out, n))], [1], [24])
+
+    k = triton.compile(GluonASTSource(_two_partitions, {"out": "*fp32", "n": "i32"}, {}),
+                       target=GPUTarget("cuda", 90, 32), options=dict(num_warps=4))
+    path = os.path.join(out_dir, "gluon_two_partitions.cubin")
+    with open(path, "wb") as f:
+        f.write(k.asm["cubin"])
+    return sum(sass.opcode(t).startswith("USETMAXREG") for _, t in sass.disassemble(path))
+
+
+def _row(label, c):
+    p = lambda key: f"{100 * c[key] / c['unchecked_s']:.2f}%"
+    return (f"| {c['shape']} | {label} | {p('tensor_s')} | {p('smem_s')} | {p('share_s')} | "
+            f"{p('hot_s')} | {p('outside_s')} | {p('bytes_s')} | {p('verify_s')} | "
+            f"{c['estimated_ratio']:.4f} |")
 
 
 def main(argv=None):
@@ -169,92 +218,80 @@ def main(argv=None):
     import abft.kernels.rowcheck as R
     with open(R.__file__) as f:
         src = f.read()
-    t, i, o = SHAPE
-    m, k, n = t, i, o
-    got = {}
-    for idx, name in enumerate(VARIANTS):
-        got[name], cfg = compile_variant(_load(_edit(src, name), out_dir, idx), out_dir, f"v{idx}")
-    warps, bk = cfg["num_warps"], cfg["BLOCK_K"]
-    issue = warps / RW.SCHEDULERS
-    plain = got["as built"][False]
-    step_cycles = plain["loops"][0]["tensor_cycles"]
-    tile_cycles = -(-k // bk) * step_cycles
+    cfg = R.GPU_CONFIG
+    kw = dict(cfg=cfg, roofline=S.roofline, peak_flops=S.PEAK_FLOPS)
+    t, i, o = S.SHAPES[0]
+    name, a, b, weight = S.gemms(t, i, o)[0]
+    (m, k), n = a.shape, b.shape[1]
+    fwd = (m, k, n), f"{t}x{i}->{o} {name}", weight
+    got = {v: compile_gemm(_load(_edit(src, v), out_dir, j), a, b, out_dir, f"v{j}",
+                           roles=("main", "verify") if j == 0 else ("main",))
+           for j, v in enumerate(VARIANTS)}
+    built = got["as built"]
+    issue = cfg["num_warps"] / RW.SCHEDULERS
+    tile_cycles = -(-k // cfg["BLOCK_K"]) * built[("main", "unchecked")][0]["loops"][0]["tensor_cycles"]
     pct = lambda ins: 100 * ins * issue / tile_cycles           # once per tile, in % of the GEMM
-    print(f"forward {m}x{k}x{n}, sm_90a, {cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{bk} tiles, {warps} "
-          f"warps: a tile's K loops take {tile_cycles:.0f} tensor-core cycles")
+    extra = {}
+    print(f"forward {m}x{k}x{n}, sm_90a, {cfg['BLOCK_M']}x{cfg['BLOCK_N']}x{cfg['BLOCK_K']} tiles, "
+          f"{cfg['num_warps']} warps: a tile's K loops take {tile_cycles:.0f} tensor-core cycles")
     print("| variant | K loops: instructions (tensor-core) | outside the loops, checked | "
-          "unchecked | extra | extra, % of the GEMM |")
-    print("|---|---|---|---|---|---|")
-    for name in VARIANTS:
-        c, u = got[name][True], got[name][False]
+          "unchecked | extra | extra, % of the GEMM | estimate |")
+    print("|---|---|---|---|---|---|---|")
+    for v in VARIANTS:
+        c, u = got[v][("main", "checked")][0], got[v][("main", "unchecked")][0]
         lps = ", ".join(f"{lp['instructions']} ({lp['tensor_core_instructions']})" for lp in c["loops"])
-        extra = c["outside"] - u["outside"]
-        print(f"| {name} | {lps} | {c['outside']} | {u['outside']} | {extra} | {pct(extra):.2f}% |")
-    built = got["as built"][True]
-    epi = got["one loop + epilogue"]
-    epi_extra = epi[True]["outside"] - epi[False]["outside"]
-    two = got["two loops, no slice"]
-    loop_extra = (two[True]["outside"] - two[False]["outside"]) - epi_extra
-    slice_extra = (built["outside"] - plain["outside"]) - epi_extra - loop_extra
-    print(f"\noutside the loops, by part: the epilogue {epi_extra} ({pct(epi_extra):.2f}%), the "
-          f"second loop {loop_extra} ({pct(loop_extra):.2f}%), V, W and the slice's sums "
-          f"{slice_extra} ({pct(slice_extra):.2f}%)")
-    fp = sum(v for op, v in (_outside_by_opcode(epi[True]["path"])
-                             - _outside_by_opcode(epi[False]["path"])).items() if op in EPILOGUE_OPS)
-    print(f"the epilogue's arithmetic ({'/'.join(EPILOGUE_OPS)}): {fp} instructions")
-    print("\n| GEMM | estimate | slice: tensor | slice: LDSM | slice: CUDA cores | outside the loops "
-          "| HBM | verify launch | checked / unchecked |")
-    print("|---|---|---|---|---|---|---|---|---|")
-    import abft.kernels.rowcheck as RR
+        extra[v] = c["outside"] - u["outside"]
+        # an estimate where the variant has the slice (its share loop's dots)
+        has_slice = max(lp["tensor_core_instructions"] for lp in c["loops"]) > \
+            max(lp["tensor_core_instructions"] for lp in u["loops"])
+        est = RW.gemm_cost({**built, **got[v]}, *fwd, **kw)["estimated_ratio"] if has_slice else None
+        print(f"| {v} | {lps} | {c['outside']} | {u['outside']} | {extra[v]} | "
+              f"{pct(extra[v]):.2f}% | {'-' if est is None else f'{est:.4f}'} |")
+    epi = extra["one loop + epilogue"]
+    loop2 = extra["two loops, no slice"] - epi
+    rest = extra["as built"] - extra["two loops, no slice"]
+    print(f"\noutside the loops, by part: the epilogue {epi} ({pct(epi):.2f}%), the second loop "
+          f"{loop2} ({pct(loop2):.2f}%), V, W and the slice's sums {rest} ({pct(rest):.2f}%)")
+    ep = got["one loop + epilogue"]
+    diff = {op: ep[("main", "checked")][0]["outside_by_opcode"].get(op, 0)
+            - ep[("main", "unchecked")][0]["outside_by_opcode"].get(op, 0) for op in EPILOGUE_OPS}
+    epilogue_ins = sum(diff.values())
+    print(f"the epilogue's arithmetic: {epilogue_ins} instructions "
+          f"({', '.join(f'{op} {v}' for op, v in diff.items())})")
+    print("\n| GEMM | estimate | slice: tensor | slice: LDSM | slice: CUDA cores | hot loop | "
+          "outside the loops | HBM | verify launch | checked / unchecked |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     layers = {}
-    for shape in SHAPES:
-        for gname, a, b, w in S.gemms(*shape):
-            m, k = a.shape
-            n = b.shape[1]
-            read = {}
-            for role, variant, fn, grid, kargs, meta, kopts in RW.launches(RR, a, b, cfg):
-                path = os.path.join(out_dir, f"{gname}_{m}x{k}x{n}_{role}_{variant}.cubin")
-                S.compile_kernel(fn, kargs, meta, 90, kopts, path)
-                read[(role, variant == "checked")] = (RW.read_kernel(path, sass, kopts["num_warps"]),
-                                                      grid, meta, kopts)
-            built, plain = read[("main", True)][0], read[("main", False)][0]
-            vinfo, vgrid, vmeta, vopts = read[("verify", True)]
-            # the floor: the share loop its slice's arithmetic alone, outside the loops the
-            # epilogue's arithmetic alone
-            share = max(built["loops"], key=lambda lp: lp["tensor_core_instructions"])
-            plain_loop = plain["loops"][0]
-            slice_ins = sum(share["by_opcode"].get(op, 0) - plain_loop["by_opcode"].get(op, 0)
-                            for op in SLICE_OPS)
-            floor_main = dict(built, outside=plain["outside"] + fp, loops=[
-                dict(share, instructions=plain_loop["instructions"] + slice_ins)]
-                + [lp for lp in built["loops"] if lp is not share])
-            est = lambda main_k: RW.estimate((m, k, n), gname, w, main_k, plain, vinfo,
-                                             dict(cfg, num_warps=warps), vgrid[0], vopts["num_warps"],
-                                             -(-vmeta["ROWS"] // vmeta["BLOCK_R"]), S.roofline,
-                                             S.PEAK_FLOPS)
-            now, floor = est(built), est(floor_main)
+    for shape in S.SHAPES:
+        for gname, a, b, weight in S.gemms(*shape):
+            (m, k), n = a.shape, b.shape[1]
+            read = compile_gemm(R, a, b, out_dir, f"{gname}_{m}x{k}x{n}")
+            where = ((m, k, n), f"{shape[0]}x{shape[1]}->{shape[2]} {gname}", weight)
+            now = RW.gemm_cost(read, *where, **kw)
+            main_f, verify_f, slice_ins = floor_kernels(read, epilogue_ins)
+            floor = RW.gemm_cost(read, *where, **kw, main=main_f, verify=verify_f)
             free = dict(floor, checked_s=floor["checked_s"] - floor["verify_s"], verify_s=0.0)
-            free["estimated_ratio"] = free["checked_s"] / free["unchecked_s"]
             # and the epilogue overlapped with another tile's wgmma (a ping-pong schedule)
             hidden = dict(free, checked_s=free["checked_s"] - free["outside_s"], outside_s=0.0)
-            hidden["estimated_ratio"] = hidden["checked_s"] / hidden["unchecked_s"]
+            for c in (free, hidden):
+                c["estimated_ratio"] = c["checked_s"] / c["unchecked_s"]
             for label, c in (("as built", now), (f"floor (share loop + {slice_ins})", floor),
                              ("floor, no verify launch", free),
                              ("floor, no verify launch, epilogue overlapped", hidden)):
-                pc = lambda key: f"{100 * c[key] / c['unchecked_s']:.2f}%"
-                print(f"| {shape[0]}x{shape[1]}->{shape[2]} {gname} | {label} | {pc('tensor_s')} | "
-                      f"{pc('smem_s')} | {pc('share_s')} | {pc('outside_s')} | {pc('bytes_s')} | "
-                      f"{pc('verify_s')} | {c['estimated_ratio']:.4f} |")
-                lay = layers.setdefault((shape, label), [0.0, 0.0])
+                print(_row(label, c))
+                lay = layers.setdefault((shape, label.split(" (")[0]), [0.0, 0.0])
                 lay[0] += c["checked_s"]
                 lay[1] += c["unchecked_s"]
     for (shape, label), (chk, unc) in layers.items():
-        print(f"| layer {shape[0]}x{shape[1]}->{shape[2]}, three GEMMs | {label} | | | | | | | "
+        print(f"| layer {shape[0]}x{shape[1]}->{shape[2]}, three GEMMs | {label} | | | | | | | | "
               f"{chk / unc:.4f} |")
-    print("\nwarp specialisation of a persistent GEMM on sm_90a by this Triton "
-          f"({triton.__version__}):")
-    for (ws, flat), (setmax, lps) in warp_specialisation(out_dir).items():
-        print(f"  warp_specialize={ws} flatten={flat}: USETMAXREG {setmax}, K loops {lps}")
+    print(f"\nwarp specialisation of a persistent GEMM on sm_90a by this Triton ({triton.__version__}):")
+    for (warps, ws, flat), (setmax, lps) in warp_specialisation(out_dir).items():
+        print(f"  {warps} warps, warp_specialize={ws} flatten={flat}: USETMAXREG {setmax}, "
+              f"K loops: instructions (tensor-core) {lps}")
+    g = gluon_warp_specialisation(out_dir)
+    print("  Gluon gl.warp_specialize, two partitions: " +
+          ("no Gluon in this Triton" if g is None else f"USETMAXREG {g}"))
 
 
 if __name__ == "__main__":
