@@ -144,6 +144,11 @@ def _persistent(a_ptr, b_ptr, c_ptr, M, N, K, BM: tl.constexpr, BN: tl.constexpr
         c_d.store([pm * BM, pn * BN], acc.to(tl.bfloat16))
 
 
+def _setmaxreg(path):
+    """USETMAXREG instructions (register hand-over between warp groups) in a cubin."""
+    return sum(sass.opcode(t).startswith("USETMAXREG") for _, t in sass.disassemble(path))
+
+
 def warp_specialisation(out_dir):
     """{(warps, warp_specialize, flatten): (USETMAXREG count, K loops' instruction counts)}."""
     m = n = k = 4096
@@ -156,11 +161,9 @@ def warp_specialisation(out_dir):
                 S.compile_kernel(_persistent, (e(m, k), e(n, k), e(m * n + m), m, n, k),
                                  dict(BM=128, BN=256, BK=64, SMS=132, WS=ws, FLAT=flat), 90,
                                  dict(num_warps=warps, num_stages=3), path)
-                ins = sass.disassemble(path)
-                setmax = sum(sass.opcode(t).startswith("USETMAXREG") for _, t in ins)
                 loops = [(len(b), sum(sass.opcode(t).startswith(sass.TENSOR_CORE) for t in b))
-                         for _, _, b in sass.tensor_loops(ins)]
-                res[(warps, ws, flat)] = (setmax, loops)
+                         for _, _, b in sass.tensor_loops(sass.disassemble(path))]
+                res[(warps, ws, flat)] = (_setmaxreg(path), loops)
     return res
 
 
@@ -199,14 +202,7 @@ def gluon_warp_specialisation(out_dir):
     path = os.path.join(out_dir, "gluon_two_partitions.cubin")
     with open(path, "wb") as f:
         f.write(k.asm["cubin"])
-    return sum(sass.opcode(t).startswith("USETMAXREG") for _, t in sass.disassemble(path))
-
-
-def _row(label, c):
-    p = lambda key: f"{100 * c[key] / c['unchecked_s']:.2f}%"
-    return (f"| {c['shape']} | {label} | {p('tensor_s')} | {p('smem_s')} | {p('share_s')} | "
-            f"{p('hot_s')} | {p('outside_s')} | {p('bytes_s')} | {p('verify_s')} | "
-            f"{c['estimated_ratio']:.4f} |")
+    return _setmaxreg(path)
 
 
 def main(argv=None):
@@ -265,7 +261,9 @@ def main(argv=None):
     for shape in S.SHAPES:
         for gname, a, b, weight in S.gemms(*shape):
             (m, k), n = a.shape, b.shape[1]
-            read = compile_gemm(R, a, b, out_dir, f"{gname}_{m}x{k}x{n}")
+            # the first layer's forward is the "as built" variant, compiled above
+            read = built if (shape, gname) == (S.SHAPES[0], name) else \
+                compile_gemm(R, a, b, out_dir, f"{gname}_{m}x{k}x{n}")
             where = ((m, k, n), f"{shape[0]}x{shape[1]}->{shape[2]} {gname}", weight)
             now = RW.gemm_cost(read, *where, **kw)
             main_f, verify_f, slice_ins = floor_kernels(read, epilogue_ins)
@@ -278,7 +276,7 @@ def main(argv=None):
             for label, c in (("as built", now), (f"floor (share loop + {slice_ins})", floor),
                              ("floor, no verify launch", free),
                              ("floor, no verify launch, epilogue overlapped", hidden)):
-                print(_row(label, c))
+                print(f"| {c['shape']} | {label} | {RW.cost_cells(c)} |")
                 lay = layers.setdefault((shape, label.split(" (")[0]), [0.0, 0.0])
                 lay[0] += c["checked_s"]
                 lay[1] += c["unchecked_s"]

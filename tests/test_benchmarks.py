@@ -75,7 +75,8 @@ def test_rowfloor_decomposes_the_row_checks_cost(tmp_path):
     import subprocess
     import sys
     here = os.path.dirname(__file__)
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    from test_static import compiling_env
+    env = compiling_env()
     out = subprocess.run([sys.executable, os.path.join(here, "..", "benchmarks", "rowfloor.py"),
                           "--out", str(tmp_path)], env=env, capture_output=True, text=True,
                          check=True).stdout

@@ -13,7 +13,7 @@ from abft.bench import rows, sass, static
 HERE = os.path.dirname(__file__)
 
 
-def _compiling_env():
+def compiling_env():
     """The environment without TRITON_INTERPRET: an interpreted kernel cannot be compiled."""
     return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
 
@@ -23,7 +23,7 @@ def test_the_sass_reader_reproduces_the_figures_of_the_kernel_before(tmp_path):
     specialisation): about 3,942 instructions in the HGMMA loop against 601 with CHECK=False,
     about 1,000 shuffles and 1,100 FADDs, about 300 local-memory instructions per K step."""
     subprocess.run([sys.executable, os.path.join(HERE, "data", "compile_31901d1.py"), str(tmp_path)],
-                   check=True, env=_compiling_env(), capture_output=True)
+                   check=True, env=compiling_env(), capture_output=True)
     checked, plain = (sass.summary(str(tmp_path / f"old_{c}.cubin")) for c in (True, False))
     assert 3800 <= checked["loop_instructions"] <= 4100, checked["loop_instructions"]
     assert 560 <= plain["loop_instructions"] <= 640, plain["loop_instructions"]
@@ -37,7 +37,7 @@ def test_the_sass_reader_reproduces_the_figures_of_the_kernel_before(tmp_path):
 def report(tmp_path_factory):
     out = tmp_path_factory.mktemp("static")
     r = subprocess.run([sys.executable, "-m", "abft.cli", "bench", "--static", "--out", str(out)],
-                       env=_compiling_env(), capture_output=True, text=True)
+                       env=compiling_env(), capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "estimated checked / unchecked" in r.stdout
     return out, json.loads((out / "report.json").read_text())

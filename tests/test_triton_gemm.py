@@ -294,7 +294,8 @@ def test_torch_compile_traces_the_kernel_itself():
     Traced here, run on GPUs only."""
     import subprocess
     import sys
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    from test_static import compiling_env
+    env = compiling_env()
     out = subprocess.run([sys.executable, "-c", TRACE], env=env, capture_output=True, text=True,
                          timeout=300)
     assert out.returncode == 0, out.stderr[-3000:]
