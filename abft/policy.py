@@ -60,7 +60,7 @@ def make_pending(verdict, detail, info, log, summary=None):
 
 
 def _count(summary, info):
-    alarmed, unverified, tiles, worst = (float(x) for x in summary)
+    alarmed, unverified, tiles, worst = summary        # floats (layout.summary, tolist())
     _stats["checked_calls"] += 1
     _stats["tiles"] += int(tiles)
     if unverified:
@@ -193,16 +193,15 @@ def flush():
     if not items:
         return reported
     # One transfer per device for all the queued summaries (the CPU's are tuples already).
-    by_device = collections.defaultdict(list)
-    summaries = [None] * len(items)
-    for i, p in enumerate(items):
-        if isinstance(p.summary, tuple):
-            summaries[i] = p.summary
-        else:
-            by_device[p.summary.device].append(i)
-    for idxs in by_device.values():
-        for i, row in zip(idxs, torch.stack([items[i].summary for i in idxs]).cpu().tolist()):
-            summaries[i] = row
+    summaries = [p.summary for p in items]
+    if not all(type(x) is tuple for x in summaries):
+        by_device = collections.defaultdict(list)
+        for i, x in enumerate(summaries):
+            if type(x) is not tuple:
+                by_device[x.device].append(i)
+        for idxs in by_device.values():
+            for i, row in zip(idxs, torch.stack([items[i].summary for i in idxs]).cpu().tolist()):
+                summaries[i] = row
     new = reported
     error = None
     for p, summary in zip(items, summaries):

@@ -131,6 +131,8 @@ _TINY = {torch.float16: torch.finfo(torch.float16).tiny, torch.bfloat16: torch.f
 _MAX = {dt: torch.finfo(dt).max for dt in DTYPES}
 _ZERO = torch.zeros(1, dtype=torch.int64)
 _FOUR = (0.0, 0.0, 0.0, 0.0)
+_FOUR_NULL = (0, 0, 0, 0)
+_STRIDED = torch.strided
 
 
 def usable(a, b, c, addend):
@@ -138,11 +140,11 @@ def usable(a, b, c, addend):
     supported dtype, nothing empty, outside torch.compile's tracing."""
     if torch.compiler.is_compiling() or not enabled():
         return False
-    for t in (a, b, c) if addend is None else (a, b, c, addend):
-        if type(t) not in backends.PLAIN or not t.is_cpu or t.layout != torch.strided or t.is_neg():
-            return False
     if not (a.dtype == b.dtype == c.dtype and c.dtype in DTYPES) or addend is not None and not addend.is_floating_point():
         return False
+    for t in (a, b, c) if addend is None else (a, b, c, addend):
+        if type(t) not in backends.PLAIN or not t.is_cpu or t.layout is not _STRIDED or t.is_neg():
+            return False
     if c.numel() == 0 or a.shape[-1] == 0 or a.dim() < 2 or b.dim() < 2:
         return False
     return library() is not None
@@ -224,25 +226,14 @@ def stats_pair(x, bs, need_abs, y, bs_y, need_abs_y):
     return ox, oy
 
 
-_coef_cache = {}
-
-
 def _packed(units, k, bm, bn, acc, chk, lam, addend, alpha, beta):
     """The coefficients of the column sums' thresholds (blocks of ``bm`` rows) and of the row
-    sums' (``bn`` columns), packed as rows of one float64 tensor, kept per arguments; ``acc``
-    None: ``threshold.recursive(k)`` (one object fewer to build and hash per call)."""
-    key = (units, k, bm, bn, acc, chk, lam, addend, alpha, beta)
-    p = _coef_cache.get(key)
-    if p is None:
-        a = acc or T.recursive(k)
-        cs = [T.coefficients(units, k=k, bs=bs, acc=a, chk=chk, lam=lam, addend=addend, alpha=alpha, beta=beta)
-              for bs in (bm, bn)]
-        p = torch.tensor([[float(getattr(c, f)) for f in COEF_NAMES.split(",")] for c in cs],
-                         dtype=F64)
-        if len(_coef_cache) > 4096:
-            _coef_cache.clear()
-        _coef_cache[key] = p
-    return p
+    sums' (``bn`` columns), packed as rows of one float64 tensor (kept in the call's plan);
+    ``acc`` None: ``threshold.recursive(k)``."""
+    a = acc or T.recursive(k)
+    cs = [T.coefficients(units, k=k, bs=bs, acc=a, chk=chk, lam=lam, addend=addend, alpha=alpha, beta=beta)
+          for bs in (bm, bn)]
+    return torch.tensor([[float(getattr(c, f)) for f in COEF_NAMES.split(",")] for c in cs], dtype=F64)
 
 
 _NO_STATS = (None, (0,) * 13)
@@ -263,12 +254,19 @@ def _kept_pointers(s, cap):
     return kept, _addresses(kept)
 
 
-def check(a, b, c, *, bm, bn, units, acc, chk, alpha, addend, beta, lam, return_sums, b_stats,
-          summary=False):
-    """``reference.check`` compiled (its arguments and results; ``usable`` said yes). One call into
-    the library: B's statistics (unless kept), A's with the row predictions, the column
-    predictions, one pass over C, the thresholds and the tile records; with ``summary``, also
-    ``layout.summary`` of the verdict, counted in the same call."""
+_plans = {}
+
+
+def _addend64(addend, beta):
+    """beta * addend in float64, as the library reads it (its strides follow the addend's)."""
+    return addend.to(F64) if beta == 1 else addend.to(F64) * beta
+
+
+def _plan(a, b, c, addend, bm, bn, units, acc, chk, alpha, beta, lam, b_stats):
+    """What a check's call takes that depends only on its shapes, strides, dtype, tiles and
+    coefficients, kept per those (a training step repeats its products): the dims, the pointers
+    of the batch offsets, sampled places and coefficients (with the tensors they point into),
+    the outputs' shapes. None of it depends on the operands' values or addresses."""
     m, n, k = c.shape[-2], c.shape[-1], a.shape[-1]
     batch = tuple(c.shape[:-2])
     nbc = math.prod(batch)
@@ -284,37 +282,60 @@ def check(a, b, c, *, bm, bn, units, acc, chk, alpha, addend, beta, lam, return_
         ib = _batch_index(bbatch, batch)
     else:
         offs, ib = [_ZERO] * 4, _ZERO
-    d = None
+    d_strides = (0, 0)
     if addend is not None:
-        d = addend.to(F64) if beta == 1 else addend.to(F64) * float(beta)
-        d = d.expand(*batch, m, n)
+        d = _addend64(addend, beta).expand(*batch, m, n)     # (its strides: as each call's)
         offs.append(_offsets(d, batch) if batch else _ZERO)
+        d_strides = (d.stride(-2), d.stride(-1))
     else:
         offs.append(None)
-    coef = _packed(units, k, bm, bn, acc, chk, lam, addend is not None, float(alpha), float(beta))
+    coef = _packed(units, k, bm, bn, acc, chk, lam, addend is not None, alpha, beta)
     n_places = min(k, SAMPLES)
     places = _kept_places(k, n_places, c.device)
-    verdict = torch.empty(*batch, tm, tn, 9, dtype=torch.float32)
-    det_r = torch.empty(*batch, m, tn, dtype=torch.float32)
-    det_c = torch.empty(*batch, tm, n, dtype=torch.float32)
+    keep = [*offs, ib, places, coef]
+    prefix = _addresses(keep[:7])
+    coef_ptrs = (coef.data_ptr(), coef.data_ptr() + coef.stride(0) * 8)     # then the row sums'
+    dims = array.array("q", (nbc, max(1, math.prod(bbatch)), m, n, k, bm, bn, c.stride(-2), c.stride(-1),
+                             a.stride(-2), a.stride(-1), b.stride(-2), b.stride(-1), *d_strides,
+                             DTYPES[c.dtype], int(cap), torch.get_num_threads(), n_places))
+    scal = array.array("d", (alpha, _TINY.get(c.dtype, 0.0), _MAX[c.dtype]))
+    shapes = ((*batch, tm, tn, 9), (*batch, m, tn), (*batch, tm, n))
+    return keep, prefix, coef_ptrs, dims, scal, shapes, cap
+
+
+def check(a, b, c, *, bm, bn, units, acc, chk, alpha, addend, beta, lam, return_sums, b_stats,
+          summary=False):
+    """``reference.check`` compiled (its arguments and results; ``usable`` said yes). One call into
+    the library: B's statistics (unless kept), A's with the row predictions, the column
+    predictions, one pass over C, the thresholds and the tile records; with ``summary``, also
+    ``layout.summary`` of the verdict, counted in the same call."""
+    alpha, beta = float(alpha), float(beta)
+    key = (a.shape, a.stride(), b.shape, b.stride(), c.shape, c.stride(), c.dtype, bm, bn, units, acc, chk,
+           lam, alpha, beta, None if addend is None else (addend.shape, addend.stride(), addend.dtype),
+           None if b_stats is None else (b_stats.bs, b_stats.e.shape), torch.get_num_threads())
+    plan = _plans.get(key)
+    if plan is None:
+        plan = _plan(a, b, c, addend, bm, bn, units, acc, chk, alpha, beta, lam, b_stats)
+        if len(_plans) > 4096:
+            _plans.clear()
+        _plans[key] = plan
+    keep, prefix, coef_ptrs, dims, scal, (sv, sr, sc), cap = plan
+    d = None if addend is None else _addend64(addend, beta)
+    verdict = torch.empty(sv, dtype=torch.float32)
+    det_r = torch.empty(sr, dtype=torch.float32)
+    det_c = torch.empty(sc, dtype=torch.float32)
     if return_sums:             # else the library keeps them in scratch memory
-        res_c, thr_c = torch.empty(*batch, tm, n, dtype=F64), torch.empty(*batch, tm, n, dtype=F64)
-        res_r, thr_r = torch.empty(*batch, m, tn, dtype=F64), torch.empty(*batch, m, tn, dtype=F64)
-        sums = [res_c.data_ptr(), thr_c.data_ptr(), res_r.data_ptr(), thr_r.data_ptr()]
+        res_c, thr_c = torch.empty(sc, dtype=F64), torch.empty(sc, dtype=F64)
+        res_r, thr_r = torch.empty(sr, dtype=F64), torch.empty(sr, dtype=F64)
+        sums = (res_c.data_ptr(), thr_c.data_ptr(), res_r.data_ptr(), thr_r.data_ptr())
     else:
-        sums = (0, 0, 0, 0)
+        sums = _FOUR_NULL
     kept, kept_ptrs = _kept_pointers(b_stats, cap)
     # the arguments as flat arrays (array.array builds them several times faster than ctypes)
-    keep = [*offs[:4], offs[4], ib, places, a, b, c, d]
-    ptrs = array.array("Q", _addresses(keep))
+    ptrs = array.array("Q", prefix)
+    ptrs.extend((a.data_ptr(), b.data_ptr(), c.data_ptr(), 0 if d is None else d.data_ptr()))
     ptrs.extend(kept_ptrs)
-    ptrs.append(coef.data_ptr())
-    ptrs.append(ptrs[-1] + coef.stride(0) * 8)          # the row sums' coefficients
-    dims = array.array("q", (nbc, max(1, math.prod(bbatch)), m, n, k, bm, bn, c.stride(-2), c.stride(-1),
-                             a.stride(-2), a.stride(-1), b.stride(-2), b.stride(-1),
-                             0 if d is None else d.stride(-2), 0 if d is None else d.stride(-1),
-                             DTYPES[c.dtype], int(cap), torch.get_num_threads(), n_places))
-    scal = array.array("d", (float(alpha), _TINY.get(c.dtype, 0.0), _MAX[c.dtype]))
+    ptrs.extend(coef_ptrs)
     summ = array.array("d", _FOUR) if summary else None
     outs = array.array("Q", (verdict.data_ptr(), det_r.data_ptr(), det_c.data_ptr(), *sums,
                              0 if summ is None else summ.buffer_info()[0]))

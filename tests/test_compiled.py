@@ -323,7 +323,7 @@ def test_a_changed_threshold_term_changes_the_verdicts(field, monkeypatch):
     i = compiled.COEF_NAMES.split(",").index(field)
     coefficients = T.coefficients
     monkeypatch.setattr(T, "coefficients", lambda *a, **kw: dataclasses.replace(coefficients(*a, **kw), eta_log2=-50.0, chk_parts=3.0))
-    monkeypatch.setattr(compiled, "_coef_cache", {})
+    monkeypatch.setattr(compiled, "_plans", {})
     packed = compiled._packed
 
     def mutated(*args):
@@ -348,7 +348,7 @@ def test_the_sensitive_cases_agree_with_every_term_on(monkeypatch):
     before any mutation (else a mutation's difference would prove nothing)."""
     coefficients = T.coefficients
     monkeypatch.setattr(T, "coefficients", lambda *a, **kw: dataclasses.replace(coefficients(*a, **kw), eta_log2=-50.0, chk_parts=3.0))
-    monkeypatch.setattr(compiled, "_coef_cache", {})
+    monkeypatch.setattr(compiled, "_plans", {})
     for a, b, c, kw in _sensitive_cases():
         got, want, loose = both(a, b, c, **kw)
         assert differences(got, want, c.dtype == torch.float64, loose) == [], (a.dtype, tuple(a.shape))
