@@ -15,7 +15,9 @@ per tile. Fields (indices into the last dimension):
   no column fails): the error estimate of a single corrupted element;
 - ``THRESHOLD``: the threshold of that sum;
 - ``STATUS``: ``OK``, ``UNVERIFIED`` (non-finite input, or magnitudes the threshold arithmetic
-  cannot hold) or ``NONFINITE`` (non-finite output from finite inputs: an alarm).
+  cannot hold; on the reference backend not where a sum of |C| exceeds what the operands allow:
+  that tile is ``OK``, its overflowing sums failing) or ``NONFINITE`` (non-finite output from
+  finite inputs: an alarm).
 
 A tile is alarmed when ``STATUS == NONFINITE`` or either ratio exceeds 1. Unverified tiles have
 their ratios set to 0 and never alarm.

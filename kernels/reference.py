@@ -354,6 +354,14 @@ def _check_torch(a, b, c, *, bm, bn, units, acc=None, chk=None, alpha=1.0, adden
                 | (_peak(ast, bst, alpha, addend, bm, bn) < torch.finfo(c.dtype).max)
             status = torch.where(c_bad, L.UNVERIFIED, status)
             status = torch.where(inputs_ok & c_bad & fault, L.NONFINITE, status)
+        # thresholds that overflow over a finite C: checked after all where the operands bound C
+        # far below that and a sum of |C| exceeds the bound (a fault, its sums fail)
+        unformed = inputs_ok & ~thr_ok if nf_c is None else inputs_ok & ~thr_ok & ~c_bad
+        if bool(unformed.any()):
+            peak = _peak(ast, bst, alpha, addend, bm, bn)
+            beyond = _tile_any(col_view(_beyond(cs[2], peak.repeat_interleave(bn, -1)[..., :n], bm, ex_c), False)) \
+                | _tile_any(row_view(_beyond(rs[2], peak.repeat_interleave(bm, -2)[..., :m, :], bn, ex_r), False))
+            status = torch.where(unformed & beyond, L.OK, status)
 
         # Ratios: 0 in unverified tiles; a sum over a non-finite element of a NONFINITE tile fails
         # (inf), so the sums locate it.
@@ -539,6 +547,13 @@ def _proves_fault(res, thr, nf, ex, dtype, view):
     limit = torch.finfo(dtype).max * torch.exp2(-ex)
     est = (-res).abs() + thr
     return _tile_any(view((nf == 1) & (est < limit), False))
+
+
+def _beyond(sa, peak, count, ex):
+    """Sums of |C| (in units of 2^ex) above twice what ``count`` elements of at most ``peak``
+    each (C's units) can add up to, that bound finite: an element beyond the operands' bound."""
+    bound = 2.0 * count * peak * torch.exp2(-ex)
+    return torch.isfinite(bound) & ~(sa <= bound)
 
 
 def _peak(ast, bst, alpha, addend, bm, bn):

@@ -743,19 +743,22 @@ def test_the_second_look_gives_the_oracles_verdicts(dtype):
     assert L.alarmed(got[0]).sum() == 3
 
 
-@pytest.mark.xfail(strict=True, reason="not caught yet: the tile's scaled sums of squares overflow "
-                   "and it is left UNVERIFIED, in both checks (found by a fuzz, 2026-12-06)")
 def test_an_element_corrupted_past_the_scaled_range_of_a_float64_product_near_the_smallest_normal_alarms():
     """Float64 operands near 3e-155 put the products near the smallest normal, so the check's
     units are about 2^1020. An exponent flip that turns an element of about 1e-307 into 80 makes
     the tile's scaled sums overflow; the operands bound every element far below 80, so it is a
-    fault, yet both checks leave the tile unverified (a corruption to 1.0 alarms)."""
+    fault: both checks alarm there (they left the tile unverified until 2026-12-06; a corruption
+    to 1.0 alarmed)."""
     g = torch.Generator().manual_seed(0)
     s = (torch.finfo(torch.float64).tiny * 8) ** 0.5 * 0.25
     a = torch.randn(64, 100, generator=g, dtype=torch.float64) * s
     b = torch.randn(100, 64, generator=g, dtype=torch.float64) * s
     c = a @ b
+    clean = c.clone()
     c[32, 21] = 80.0
     kw = dict(bm=32, bn=32, units=reference.units_for(c))
     for check in (reference.check, reference.check_torch):
-        assert L.alarmed(check(a, b, c, **kw)[0])[1, 0], check.__name__
+        verdict, (det_r, det_c) = check(a, b, c, **kw)
+        assert L.alarmed(verdict).nonzero().tolist() == [[1, 0]], check.__name__
+        assert det_r[32, 0] > 1 and det_c[1, 21] > 1, check.__name__          # located
+        assert not L.alarmed(check(a, b, clean, **kw)[0]).any(), check.__name__

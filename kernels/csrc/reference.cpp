@@ -2139,7 +2139,8 @@ static void check_t(CheckArgs g) {
                     }
                 }
                 double status = (inputs_ok && thr_ok) ? 0.0 : 1.0;
-                if (any_nf && c_bad) {
+                // reference._peak: a bound of |C| over the tile from the operands' norms
+                auto tile_peak = [&]() {
                     if (pa_max < 0) {
                         pa_max = 0;
                         for (i64 i = i0; i < i1; i++)
@@ -2153,8 +2154,25 @@ static void check_t(CheckArgs g) {
                             for (i64 j = j0; j < j1; j++) dmax = nmax(dmax, std::fabs(d[i * g.sdm + j * g.sdn]));
                         peak = peak + dmax;
                     }
-                    fault |= peak < g.dtmax;
+                    return peak;
+                };
+                if (any_nf && c_bad) {
+                    fault |= tile_peak() < g.dtmax;
                     status = (inputs_ok && fault) ? 2.0 : 1.0;
+                } else if (inputs_ok && !thr_ok) {
+                    // thresholds that overflow over a finite C (reference._beyond): checked after
+                    // all where a sum of |C| exceeds twice what the operands allow
+                    const double peak = tile_peak();
+                    bool beyond = false;
+                    for (i64 j = j0; j < j1; j++) {
+                        const double bound = 2.0 * (double)bm * peak * pow2(-(EA[p] + fB[j]));
+                        beyond |= fin(bound) && !(colz[((b * TM + p) * N + j) * nz + 2] <= bound);
+                    }
+                    for (i64 i = i0; i < i1; i++) {
+                        const double bound = 2.0 * (double)bn * peak * pow2(-(eA[i] + FB[q]));
+                        beyond |= fin(bound) && !(rowz[((b * M + i) * TN + q) * nz + 2] <= bound);
+                    }
+                    if (beyond) status = 0.0;
                 }
                 const bool keep = status != 1.0;
                 // column sums of the tile
