@@ -28,8 +28,9 @@ collects the round-off of
    below the normal range even where the data's products do not).
 
 6. addmm's alpha and beta, rounded to the GEMM's arithmetic and multiplied in it (two roundings of
-   one sign on the scaled term: per |pred| and per sum |addend|), and an operand scaled by alpha
-   below the normal range (absolute, like a flushed input).
+   one sign on the scaled term: per |pred| and per sum |addend|), an operand scaled by alpha
+   below the normal range (absolute, like a flushed input), and the products' underflow times
+   |alpha| (rounded up to a power of two) where alpha multiplies the rounded sum.
 
 Rows that repeat exactly have identical errors: the product's variance is scaled by the largest
 multiplicity ``nu`` of a row in the block. Rounding errors average out only when the summands'
@@ -221,6 +222,11 @@ def coefficients(u, *, k, bs, acc, chk=None, lam=None, addend=False, alpha=1.0, 
     if alpha not in (0, 1) and u.eta_in and not (_pow2(alpha) and abs(alpha) >= 1):
         ftz = max(ftz, u.eta_in / min(1.0, abs(alpha)))
     by_alpha = 2 * u.acc if alpha != 0 and not _pow2(alpha) else 0.0
+    # alpha multiplies the accumulated sum, its products' underflow too: by |alpha| rounded up to
+    # a power of two (the kernels take eta_acc as one)
+    eta_acc = u.eta_acc
+    if abs(alpha) > 1 and math.isfinite(alpha):
+        eta_acc = eta_acc * 2.0 ** math.ceil(math.log2(abs(alpha)))
     # beta rounded, and its product (half types: both in the dtype, whatever beta)
     by_beta = 2 * max(u.out, u.acc) if addend and beta != 1 and (u.out or not _pow2(beta)) else 0.0
     return Coefficients(
@@ -236,7 +242,7 @@ def coefficients(u, *, k, bs, acc, chk=None, lam=None, addend=False, alpha=1.0, 
         directed=2 * u.acc * n if acc.directed else 0.0,
         directed_chk=2 * u.chk * nc if chk.directed else 0.0,
         eta_log2=float(split[0]), eta_absolute=1.0 if split[1] else 0.0,
-        out=gamma(1, u.out), out_add=by_beta, eta_acc=u.eta_acc, chk_parts=float(parts), eta_out=u.eta_out, ftz=ftz,
+        out=gamma(1, u.out), out_add=by_beta, eta_acc=eta_acc, chk_parts=float(parts), eta_out=u.eta_out, ftz=ftz,
         w_t=gamma(n + m - 1 + int(addend), unit_w) + gamma(k, u.chk) + gamma(bs, u.chk) + 2 * u.tf + by_alpha,
         # the addend may start the accumulation (MKL's small float32 addmm does): each of its
         # steps rounds at the addend's magnitude too, not one step

@@ -461,6 +461,24 @@ def test_addmm_scaling_an_operand_below_the_normal_range_does_not_alarm(dtype, s
 
 
 @pytest.mark.parametrize("check", ["check", "check_torch"])
+def test_addmm_with_alpha_above_1_of_products_below_the_normal_range_does_not_alarm(check):
+    """float32 addmm with |alpha| > 1 of products near 2^-133 (A near 2^-63, B near 2^-70, K = 4)
+    into one column: torch's CPU GEMM rounds each product below the normal range and multiplies
+    the sum by alpha after, so the underflow grows with alpha; the allowance per product term did
+    not (ratios up to 3.5 with alpha -7; found by a fuzz, 2026-12-06)."""
+    from abft.kernels import reference as R
+    g = torch.Generator().manual_seed(1)
+    for n in (1, 4):
+        for alpha in (3.0, 2.5, -7.0, 1.0, 0.5):
+            for sa, sb in ((-63, -70), (-70, -70)):
+                a = (torch.randn(84, 4, generator=g, dtype=torch.float64) * 2.0 ** sa).float()
+                b = (torch.randn(4, n, generator=g, dtype=torch.float64) * 2.0 ** sb).float()
+                c = torch.addmm(torch.zeros(n), a, b, beta=0.0, alpha=alpha)
+                v, (rr, rc) = getattr(R, check)(a, b, c, bm=4, bn=32, units=R.units_for(c), alpha=alpha)
+                assert max(float(rr.abs().max()), float(rc.abs().max())) < 1, (n, alpha, sa, sb)
+
+
+@pytest.mark.parametrize("check", ["check", "check_torch"])
 def test_an_addend_against_rows_below_the_normal_range_is_no_nonfinite_output(check):
     """float64 rows near 2^-1074 against a bias near 2^40: the check's scaled copies of C overflow
     (2^-(e_i + F) reaches 2^1000 and more), and were counted as non-finite outputs, which the
