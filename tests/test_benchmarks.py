@@ -42,6 +42,28 @@ def test_fixedcost_alternates_with_another_kernels_tree(capsys):
     assert "this tree / --against" in capsys.readouterr().out
 
 
+@pytest.mark.parametrize("family", ["extreme", "structured"])
+def test_fuzzcheck_finds_no_false_alarm_on_its_first_seeds(family, capsys):
+    """40 seeds of each family: clean products that neither check alarms on, the two checks
+    agreeing, corrupted ones counted; a finding's seed replays it alone."""
+    import fuzzcheck
+    s = fuzzcheck.run(family, cases=40, seed=0)
+    assert s["seeds"] == [0, 40] and 20 <= s["clean"] <= 40
+    assert s["false_alarms"] == 0 and s["differ"] == 0
+    assert 0 < s["corrupted"] <= s["clean"] and s["caught_compiled"] == s["caught_torch"] <= s["corrupted"]
+    one = fuzzcheck.run(family, cases=1, seed=7)
+    assert one["seeds"] == [7, 8] and '"kind": "summary"' in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv,field", [(["--family", "wild"], "--family"), (["--seconds", "0"], "--seconds"),
+                                        (["--cases", "0"], "--cases"), (["--against", "/nonexistent"], "--against")])
+def test_fuzzcheck_refuses_bad_input_naming_the_field(argv, field, capsys):
+    import fuzzcheck
+    with pytest.raises(SystemExit) as e:
+        fuzzcheck.main(argv)
+    assert e.value.code == 2 and field in capsys.readouterr().err
+
+
 @pytest.mark.slow
 def test_fixedcost_compiles_the_check_to_the_same_verdicts(capsys):
     import fixedcost
