@@ -57,17 +57,10 @@ class scope:
         return False
 
 
-_env_rank = None
-
-
 def current_rank():
-    """The process group's rank, else $RANK (read once: a launcher sets it before the start)."""
-    global _env_rank
     if _dist is not None and _dist.is_initialized():
         return _dist.get_rank()
-    if _env_rank is None:
-        _env_rank = int(os.environ.get("RANK", 0))
-    return _env_rank
+    return int(os.environ.get("RANK", 0))
 
 
 try:

@@ -194,10 +194,10 @@ def flush():
         return reported
     # One transfer per device for all the queued summaries (the CPU's are tuples already).
     summaries = [p.summary for p in items]
-    if not all(type(x) is tuple for x in summaries):
+    if not all(isinstance(x, tuple) for x in summaries):
         by_device = collections.defaultdict(list)
         for i, x in enumerate(summaries):
-            if type(x) is not tuple:
+            if not isinstance(x, tuple):
                 by_device[x.device].append(i)
         for idxs in by_device.values():
             for i, row in zip(idxs, torch.stack([items[i].summary for i in idxs]).cpu().tolist()):

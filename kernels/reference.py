@@ -347,18 +347,20 @@ def _check_torch(a, b, c, *, bm, bn, units, acc=None, chk=None, alpha=1.0, adden
         thr_ok = _tile_all(col_view(torch.isfinite(thr_c), True)) \
             & _tile_all(row_view(torch.isfinite(thr_r), True))
         status = torch.where(inputs_ok & thr_ok, L.OK, L.UNVERIFIED)
+        peak = None                          # _peak, made where a proof below needs it (once)
         if nf_c is not None:                 # C may hold non-finite values (known finite: skipped)
+            peak = _peak(ast, bst, alpha, addend, bm, bn)
             c_bad = _tile_any(col_view(nf_c > 0, False)) | _tile_any(row_view(nf_r > 0, False))
             fault = _proves_fault(res_c, thr_c, nf_c, ex_c, c.dtype, col_view) \
                 | _proves_fault(res_r, thr_r, nf_r, ex_r, c.dtype, row_view) \
-                | (_peak(ast, bst, alpha, addend, bm, bn) < torch.finfo(c.dtype).max)
+                | (peak < torch.finfo(c.dtype).max)
             status = torch.where(c_bad, L.UNVERIFIED, status)
             status = torch.where(inputs_ok & c_bad & fault, L.NONFINITE, status)
         # thresholds that overflow over a finite C: checked after all where the operands bound C
         # far below that and a sum of |C| exceeds the bound (a fault, its sums fail)
         unformed = inputs_ok & ~thr_ok if nf_c is None else inputs_ok & ~thr_ok & ~c_bad
         if torch.compiler.is_compiling() or bool(unformed.any()):     # (no branch on data when traced)
-            peak = _peak(ast, bst, alpha, addend, bm, bn)
+            peak = _peak(ast, bst, alpha, addend, bm, bn) if peak is None else peak
             beyond = _tile_any(col_view(_beyond(cs[2], peak.repeat_interleave(bn, -1)[..., :n], bm, ex_c), False)) \
                 | _tile_any(row_view(_beyond(rs[2], peak.repeat_interleave(bm, -2)[..., :m, :], bn, ex_r), False))
             status = torch.where(unformed & beyond, L.OK, status)
