@@ -38,8 +38,9 @@ SPAN = {torch.float32: (-35, 30), torch.float64: (-265, 250), torch.bfloat16: (-
 VALUES = ("normal", "upos", "cauchy", "lowent", "const_rows", "mixed_rows", "mixed_cols", "sparse", "ints")
 
 
-def _values(rnd, g, shape, dt):
-    kind = rnd.choice(VALUES)
+def _values(rnd, g, shape, dt, kinds=VALUES):
+    """Values of one kind drawn from ``kinds`` (a kind not listed above: normal values), in ``dt``."""
+    kind = rnd.choice(kinds)
     x = torch.randn(*shape, generator=g, dtype=torch.float64)
     if kind == "upos":
         x = torch.rand(*shape, generator=g, dtype=torch.float64)
@@ -136,6 +137,9 @@ def run(family="structured", seconds=60.0, seed=0, cases=None, against=None, out
     out = out or sys.stdout
     other = None
     if against is not None:
+        here = str(pathlib.Path(__file__).resolve().parent)
+        if here not in sys.path:            # run as a script under PYTHONSAFEPATH=1: not on the path
+            sys.path.insert(0, here)
         import fixedcost
         other = fixedcost.load_other(against)
     s = dict(family=family, seeds=[seed, seed], clean=0, false_alarms=0, differ=0, corrupted=0,

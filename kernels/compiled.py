@@ -38,7 +38,7 @@ SOURCE = pathlib.Path(__file__).parent / "csrc" / "reference.cpp"
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fno-trapping-math", "-fopenmp", "-shared", "-fPIC",
          "-std=c++17"]
 COEF_NAMES = ("lam,k,bs,p_s2,p_q,p_d2,c_p2,c_qs,c_s12,c_s2,c_q,bias,lowent,directed,directed_chk,"
-              "eta_log2,eta_absolute,out,out_add,eta_acc,chk_parts,eta_out,ftz,w_t,w_sa,w_da,w_scale,cap")
+              "eta_log2,eta_absolute,out,out_add,eta_acc,chk_parts,eta_out,ftz,w_t,w_sa,w_da,w_scale,cap,rep")
 
 _lock = threading.Lock()
 _lib = None

@@ -177,10 +177,11 @@ def prepass_kernel(
     sc = amax * row_a * row_b
     rinf = sc * sc
     low = _low_entropy(base, stride_xr, stride_xk, g, r_ok, K, _SAMPLES)
-    # the largest multiplicity of a row repeated exactly: equal exponents and sums of squares
+    # the largest multiplicity of a row repeated exactly (equal exponents and sums of squares), or
+    # the number of low-entropy rows (stats.operand_stats)
     key = tl.where(r_ok & (bad == 0), r1, -1.0 - r.to(tl.float32))
     same = (key[:, None] == key[None, :]) & (e_i[:, None] == e_i[None, :])
-    nu = tl.max(tl.sum(same.to(tl.float32), 1), 0)
+    nu = tl.maximum(tl.max(tl.sum(same.to(tl.float32), 1), 0), tl.sum(tl.where(r_ok & low, 1.0, 0.0), 0))
     finite = tl.max(tl.where(r_ok, bad, 0.0), 0) == 0
     ro = rows_ptr + pid_b * stride_rowb + g * _RF
     tl.store(ro + _RE, e_i, mask=r_ok)

@@ -6,8 +6,9 @@ For the rows of an operand x (..., R, K) (the rows of A, or of B^T: the columns 
 - per row i: the exponent e_i of max_k |x_ik| (x_i = m 2^e_i with m in [0.5, 1)), and the 1- and
   inf-norms over k of (x_ik 2^-e_i)^2; whether the row is finite; whether it is low-entropy;
 - per block p: the exponent E_p = max of its rows' e_i, and with x' = x 2^-E_p the 1- and inf-norms
-  over k of sum_i x'_ik^2 and of s_k^2 (s_k = sum_i x'_ik); the largest multiplicity ``nu`` of a
-  row repeated exactly within the block; and, on request, the block sums s (..., T, K) (the
+  over k of sum_i x'_ik^2 and of s_k^2 (s_k = sum_i x'_ik); ``nu``, the largest multiplicity of a
+  row repeated exactly within the block or the number of its low-entropy rows, whichever is more
+  (both share rounding errors across rows); and, on request, the block sums s (..., T, K) (the
   reference backend's predictions) and block sums of |x'| (the worst-case cap at small K).
 
 Scaling by exact powers of two keeps every square in range and makes the statistics, and the
@@ -192,10 +193,12 @@ def operand_stats(x, bs, *, need_s=False, need_abs=False, rhs=None):
         absum = absum * blk if need_abs else None
     s2 = s * s
     key_nan = torch.where(finite, r1, torch.full_like(r1, float("nan")))
+    low = low_entropy(x)
     return OperandStats(
-        bs=bs, e=e, r1=r1, rinf=rinf, finite=finite, low=low_entropy(x), E=E,
+        bs=bs, e=e, r1=r1, rinf=rinf, finite=finite, low=low, E=E,
         x1=sqsum.sum(-1), xinf=_amax(sqsum, -1), xs1=s2.sum(-1), xsinf=_amax(s2, -1),
-        nu=_multiplicity(e, key_nan, bs), s=s if need_s else None, absum=absum, times=times)
+        nu=torch.maximum(_multiplicity(e, key_nan, bs), _block_count(low, bs)), s=s if need_s else None,
+        absum=absum, times=times)
 
 
 def _sum_blocks(x, bs, dim):
@@ -217,6 +220,13 @@ def _pad_blocks(x, bs, value):
     if t * bs != n:
         x = torch.cat([x, x.new_full((*x.shape[:-1], t * bs - n), value)], -1)
     return x.unflatten(-1, (t, bs))
+
+
+def _block_count(flags, bs):
+    """(..., R) bool -> (..., T) float64: how many of each block's rows are flagged."""
+    if flags.shape[-1] == 0:
+        return flags.new_zeros(*flags.shape[:-1], 0, dtype=torch.float64)
+    return _pad_blocks(flags.to(torch.float64), bs, 0.0).sum(-1)
 
 
 def _block_max(x, bs, fill=0.0):

@@ -32,10 +32,17 @@ collects the round-off of
    below the normal range (absolute, like a flushed input), and the products' underflow times
    |alpha| (rounded up to a power of two) where alpha multiplies the rounded sum.
 
-Rows that repeat exactly have identical errors: the product's variance is scaled by the largest
-multiplicity ``nu`` of a row in the block. Rounding errors average out only when the summands'
-low bits vary: sums whose rows and columns take few values (``stats.low_entropy``) get the bias
-allowance ((steps + inner)/2 u + ...) sum |C|; every sum gets 2 sqrt(steps + inner) u |pred|.
+Rows that repeat exactly have identical errors, and so, at each k, do rows of a few-valued block
+whose values there are equal (their running sums lie in one binade): the product's variance and
+the check's block sums' are scaled by ``nu``, the largest multiplicity of a row in the block or
+the number of its low-entropy rows (``stats.operand_stats``). The reference's float64 sums add a
+repeated row's equal values in order, each rounding the same way within a binade: they get
+(nu - 1) u/2 of their magnitude (sum |C| + sqrt(bs K Q)) besides. Rounding errors average out only
+when the summands' low bits vary: sums whose rows and columns take few values
+(``stats.low_entropy``) get the bias allowance ((steps + inner)/2 u + ...) times the terms'
+magnitude (the larger of sum |C| and sqrt(bs K Q), Cauchy-Schwarz's bound of sum_ik |x_ik y_kj|,
+which cancellation does not shrink), plus twice the addend's sum |D| (an accumulator that starts at
+the addend rounds at its size at every step); every sum gets 2 sqrt(steps + inner) u |pred|.
 Accumulators that round toward zero (tensor cores) get a directed-rounding allowance.
 
 threshold = LAMBDA sqrt(variance) + allowances. LAMBDA = 6 puts a Gaussian false alarm per sum near
@@ -148,6 +155,7 @@ class Coefficients:
     c_q: float          # check variance per Q (the sums s_k)
     bias: float         # allowance per |pred|
     lowent: float       # allowance per sum |C| where the data is low-entropy
+    rep: float          # allowance per (nu - 1) (sum |C| + sqrt(bs K Q)): the check's sums of repeated rows
     directed: float     # allowance per (|pred|/2 + sqrt(Q/3)) for directed rounding
     directed_chk: float  # the same for the predicted dot product, per (|pred|/2 + sqrt(Qs/3))
     eta_log2: float     # the checksums' split error: log2 of eta (-1000: none)
@@ -239,6 +247,8 @@ def coefficients(u, *, k, bs, acc, chk=None, lam=None, addend=False, alpha=1.0, 
         c_s12=uc2 * bs / 9, c_s2=uc2 * bs / 6, c_q=uc2 * bs / 6,
         bias=2 * math.sqrt(n + m - 1) * u.acc + 2 * math.sqrt(nc + mc - 1) * u.chk + 2 * u.tf + by_alpha,
         lowent=(n + m) / 2 * u.acc + (nc + mc) / 2 * u.chk + bs * u.chk,
+        # the reference's float64 sums add in order; the fused kernels' fp32 sums are trees
+        rep=u.chk / 2 if u.chk == UNIT[torch.float64] else 0.0,
         directed=2 * u.acc * n if acc.directed else 0.0,
         directed_chk=2 * u.chk * nc if chk.directed else 0.0,
         eta_log2=float(split[0]), eta_absolute=1.0 if split[1] else 0.0,
@@ -268,7 +278,7 @@ def threshold(c, *, s1, s2, sa, pred, x1, xinf, xs1, xsinf, y1, yinf, nu, low, e
         pred: the predicted sum (times alpha).
         x1, xinf: 1- and inf-norm over k of sum_i x_ik^2 for the summed block (times alpha^2);
         xs1, xsinf: the same of s_k^2 (times alpha^2); y1, yinf: of y_kj^2 for the other side.
-        nu: largest multiplicity of a repeated row in the block.
+        nu: largest multiplicity of a repeated row in the block, or its low-entropy rows' count.
         low: bool, the sum's rows and columns are low-entropy.
         ex, ey: the block's and the column's scale exponents.
         d2, da: sums of addend^2 and |addend| (reference addmm/linear bias), or None.
@@ -283,8 +293,10 @@ def threshold(c, *, s1, s2, sa, pred, x1, xinf, xs1, xsinf, y1, yinf, nu, low, e
         prod = prod + c.p_d2 * d2
     # a corrupted sum may overflow its square: clamped, a huge error stays an alarm, not unverified
     big = torch.finfo(s1.dtype).max
+    # the check's own sums over the block (of C, of the block's rows) add repeated rows' equal
+    # values nu times over: their roundings repeat too, as the product's do
     check = c.c_p2 * torch.clamp(pred * pred, max=big) + c.c_qs * qs \
-        + c.c_s12 * torch.clamp(s1 * s1, max=big) + c.c_s2 * s2 + c.c_q * q
+        + nu * (c.c_s12 * torch.clamp(s1 * s1, max=big) + c.c_s2 * s2 + c.c_q * q)
     # A term whose coefficient is 0 is skipped (a torch op costs microseconds whatever its size):
     # it adds exactly 0 where its operands are finite, and NaN (0 * inf) where one is not, which
     # 0 * the largest of the skipped terms' operands (all >= 0) still does. (Skipped, eta is
@@ -305,7 +317,18 @@ def threshold(c, *, s1, s2, sa, pred, x1, xinf, xs1, xsinf, y1, yinf, nu, low, e
         thr = thr + c.directed_chk * (0.5 * apred + torch.sqrt(qs / 3))
     else:
         skipped += [qs] if c.directed else [apred, qs]
-    thr = thr + torch.where(low, c.lowent * sa, torch.zeros_like(sa))
+    # low entropy: errors of one sign per product term, so in the terms' magnitudes (at most
+    # sqrt(bs k Q) by Cauchy-Schwarz), not only |C|'s (which cancellation makes small); an addend
+    # that starts the accumulator rounds at its own size at every step
+    tq = torch.sqrt(c.bs * max(c.k, 1.0) * q)
+    mag = torch.maximum(sa, tq)
+    if da is not None:
+        mag = mag + 2 * da
+    thr = thr + torch.where(low, c.lowent * mag, torch.zeros_like(sa))
+    # the check's own sums add a repeated row's (or a few-valued block's) equal values in order:
+    # in one binade each addition rounds the same way, up to (nu / 2) u of their magnitude
+    if c.rep:
+        thr = thr + c.rep * (nu - 1) * (sa + tq)
     if c.out:
         thr = thr + c.out * sa
     else:
@@ -372,7 +395,10 @@ COEF_FIELDS = ("lam", "k", "bs", "p_s2", "p_q", "c_p2", "c_qs", "c_s12", "c_s2",
 
 
 def pack(*coefs, device=None):
-    """(len(coefs), len(COEF_FIELDS)) float32: the coefficients as ``threshold_tl`` loads them."""
+    """(len(coefs), len(COEF_FIELDS)) float32: the coefficients as ``threshold_tl`` loads them.
+    The fused kernels' sums are fp32 trees, not the reference's ordered sums: no ``rep`` term."""
+    if any(c.rep for c in coefs):
+        raise ValueError("threshold.pack: rep must be 0 for the fused kernels (their checks are float32)")
     return torch.tensor([[float(getattr(c, f)) for f in COEF_FIELDS] for c in coefs],
                         dtype=torch.float32, device=device)
 
@@ -439,14 +465,15 @@ if triton is not None:
         chk_parts = tl.load(coef_ptr + 21)
         prod = p_s2 * s2 + p_q * q
         # a corrupted sum may overflow its square: clamped, a huge error stays an alarm
-        check = c_p2 * tl.minimum(pred * pred, _BIG) + c_qs * qs + c_s12 * tl.minimum(s1 * s1, _BIG) \
-            + c_s2 * s2 + c_q * q
+        check = c_p2 * tl.minimum(pred * pred, _BIG) + c_qs * qs \
+            + nu * (c_s12 * tl.minimum(s1 * s1, _BIG) + c_s2 * s2 + c_q * q)
         eta = pow2_tl(eta_log2 - eta_absolute * ex)       # clamped below at 2^-126: its square is 0
         check += eta * eta / 3 * y1
         thr = lam * tl.sqrt(nu * prod + check) + bias * tl.abs(pred)
         thr = thr + directed * (0.5 * tl.abs(pred) + tl.sqrt(q / 3))
         thr = thr + directed_chk * (0.5 * tl.abs(pred) + tl.sqrt(qs / 3))
-        thr = thr + tl.where(low, lowent * sa, 0.0)
+        mag = tl.maximum(sa, tl.sqrt(bs * tl.maximum(k, 1.0) * q), propagate_nan=tl.PropagateNan.ALL)
+        thr = thr + tl.where(low, lowent * mag, 0.0)
         # eta_acc per product term and per product of the predicted dot product (2^-150 in two
         # factors: one 2^e is clamped at float32's smallest normal)
         uf = times_pow2_tl(bs * k, eta_acc_log2 - (ex + ey)) + times_pow2_tl(k * chk_parts, eta_acc_log2 - ey)

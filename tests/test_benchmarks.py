@@ -1,6 +1,11 @@
 """Smoke tests of the one-off scripts in benchmarks/ (their figures are in BENCHMARKS.md): each
 runs one round end to end and prints its table."""
 
+import json
+import os
+import pathlib
+import sys
+
 import pytest
 
 
@@ -62,6 +67,19 @@ def test_fuzzcheck_refuses_bad_input_naming_the_field(argv, field, capsys):
     with pytest.raises(SystemExit) as e:
         fuzzcheck.main(argv)
     assert e.value.code == 2 and field in capsys.readouterr().err
+
+
+def test_fuzzcheck_against_another_tree_runs_as_a_script():
+    """``--against`` as the README runs scripts (PYTHONSAFEPATH=1, from the repository root): it
+    imported fixedcost from a path that is not searched then."""
+    import subprocess
+    root = pathlib.Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "benchmarks/fuzzcheck.py", "--cases", "2", "--against", "kernels"],
+                         cwd=root, capture_output=True, text=True, timeout=600,
+                         env={**os.environ, "PYTHONSAFEPATH": "1"})
+    assert out.returncode == 0, out.stderr[-2000:]
+    summary = json.loads(out.stdout.strip().splitlines()[-1])
+    assert summary["clean"] == 2 and summary["false_alarms"] == summary["false_alarms_against"] == 0
 
 
 @pytest.mark.slow

@@ -180,12 +180,18 @@ def test_thin_and_empty_shapes(shape):
 
 def test_a_wide_weight_is_encoded_without_comparing_every_pair_of_columns():
     """``encode`` of a 100,000-column B: its repeated-column count sorts (it compared all
-    N x N pairs: 10 GB of booleans here), and agrees with the pairwise count on narrow blocks."""
+    N x N pairs: 10 GB of booleans here), and agrees with the pairwise count on narrow blocks.
+    (nu is also at least the number of low-entropy columns: 8 bf16 values often repeat one.)"""
     g = torch.Generator().manual_seed(3)
     b = torch.randn(8, 100_000, generator=g).to(torch.bfloat16)
     b[:, 5] = b[:, 7] = b[:, 99_999]
     enc = R.encode(b)
-    assert enc.blk[R.BLK_NU] == 3
+    low = int(R._stats.low_entropy(b.mT).sum())
+    assert 3 < low < 100_000 and enc.blk[R.BLK_NU] == low
+    b = torch.randn(8, 100_000, generator=g)              # float32: no value repeats by chance
+    b[:, 5] = b[:, 7] = b[:, 99_999]
+    assert int(R._stats.low_entropy(b.mT).sum()) == 0
+    assert R.encode(b).blk[R.BLK_NU] == 3
     e = torch.randint(0, 3, (2, 600), generator=g).double()
     key = torch.randint(0, 4, (2, 600), generator=g).double()
     key[0, ::7] = float("nan")

@@ -28,11 +28,11 @@ typedef int64_t i64;
 // The order of threshold.Coefficients' fields, as compiled.py packs them (checked at load).
 extern "C" const char* abft_coef_names() {
     return "lam,k,bs,p_s2,p_q,p_d2,c_p2,c_qs,c_s12,c_s2,c_q,bias,lowent,directed,directed_chk,"
-           "eta_log2,eta_absolute,out,out_add,eta_acc,chk_parts,eta_out,ftz,w_t,w_sa,w_da,w_scale,cap";
+           "eta_log2,eta_absolute,out,out_add,eta_acc,chk_parts,eta_out,ftz,w_t,w_sa,w_da,w_scale,cap,rep";
 }
 enum { LAM, KK, BS, P_S2, P_Q, P_D2, C_P2, C_QS, C_S12, C_S2, C_Q, BIAS, LOWENT, DIRECTED,
        DIRECTED_CHK, ETA_LOG2, ETA_ABSOLUTE, OUT, OUT_ADD, ETA_ACC, CHK_PARTS, ETA_OUT, FTZ, W_T, W_SA,
-       W_DA, W_SCALE, CAP, NCOEF };
+       W_DA, W_SCALE, CAP, REP, NCOEF };
 
 enum { DT_F32 = 0, DT_F64 = 1, DT_BF16 = 2, DT_F16 = 3 };
 static const double NaN = std::numeric_limits<double>::quiet_NaN();
@@ -984,19 +984,22 @@ static void stats_block(const T* x, i64 R, i64 K, i64 sr, i64 sk, i64 bs, i64 p,
     o.xinf[t] = xinf;
     o.xs1[t] = xs1;
     o.xsinf[t] = xsinf;
-    // nu: the largest number of rows with equal (exponent, scaled sum of squares)
-    i64 best = most_equal(o.e + rbase + i0, o.r1 + rbase + i0, o.finite + rbase + i0, nr);
-    o.nu[t] = (double)best;
     // stats.low_entropy: np sampled places
+    i64 nlow = 0;
     for (i64 i = i0; i < i1; i++) {
         i64 g = rbase + i;
         if (K == 0 || !need_low) {
             o.low[g] = K == 0;
-            continue;
+        } else {
+            o.low[g] = sizeof(T) == 8 ? low_entropy<double>(x + i * sr, sk, places, np)
+                                      : low_entropy<float>(x + i * sr, sk, places, np);
         }
-        o.low[g] = sizeof(T) == 8 ? low_entropy<double>(x + i * sr, sk, places, np)
-                                  : low_entropy<float>(x + i * sr, sk, places, np);
+        nlow += o.low[g] != 0;
     }
+    // nu: the largest number of rows with equal (exponent, scaled sum of squares), or of
+    // low-entropy rows (stats.operand_stats)
+    i64 best = most_equal(o.e + rbase + i0, o.r1 + rbase + i0, o.finite + rbase + i0, nr);
+    o.nu[t] = (double)std::max(best, nlow);
 }
 
 // for (i < n) body(i, local) on th threads, each thread's local from init(); schedule static, or
@@ -1456,6 +1459,10 @@ static inline v4d nmin4(v4d a, v4d b) {
     const m4 nan = (a != a) | (b != b);
     return sel(nan, splat(NaN), sel(a < b, a, b));
 }
+static inline v4d nmax4(v4d a, v4d b) {
+    const m4 nan = (a != a) | (b != b);
+    return sel(nan, splat(NaN), sel(a > b, a, b));
+}
 static inline v4d sq_capped4(v4d v) { v4d vv = v * v; return sel(vv > splat(DMAX), splat(DMAX), vv); }
 static inline v4d sqrt4(v4d v) {
 #if defined(__AVX__)
@@ -1482,8 +1489,8 @@ static inline __attribute__((always_inline)) v4d threshold4(const double* c, v4d
     v4d q = nmin4(x1 * yinf, xinf * y1), qs = nmin4(xs1 * yinf, xsinf * y1);
     v4d prod = c[P_S2] * s2 + c[P_Q] * q;
     if (has_d) prod += c[P_D2] * d2;
-    v4d check = c[C_P2] * sq_capped4(pred) + c[C_QS] * qs + c[C_S12] * sq_capped4(s1) + c[C_S2] * s2 +
-                c[C_Q] * q;
+    v4d check = c[C_P2] * sq_capped4(pred) + c[C_QS] * qs + nu * (c[C_S12] * sq_capped4(s1) + c[C_S2] * s2 +
+                                                                    c[C_Q] * q);
     // a skipped term (coefficient 0) adds nothing where its operands are finite, NaN where not
     m4 bad = (m4)splat(0.0);
     if (c[ETA_LOG2] > -1000.0 || c[ETA_ABSOLUTE] != 0) {
@@ -1503,7 +1510,11 @@ static inline __attribute__((always_inline)) v4d threshold4(const double* c, v4d
     } else {
         bad |= ~fin4(ap) | ~fin4(qs);
     }
-    thr += sel(low, c[LOWENT] * sa, splat(0.0));
+    const v4d tq = sqrt4((c[BS] * std::max(c[KK], 1.0)) * q);
+    v4d mag = nmax4(sa, tq);
+    if (has_d) mag += 2.0 * da;
+    thr += sel(low, c[LOWENT] * mag, splat(0.0));
+    if (c[REP] != 0) thr += (c[REP] * (nu - 1.0)) * (sa + tq);
     if (c[OUT] != 0) thr += c[OUT] * sa;
     else bad |= ~fin4(sa);
     thr = sel(bad, splat(NaN), thr);
@@ -1793,12 +1804,9 @@ static void check_t(CheckArgs g) {
     }
     STAGE("statsB");
     {
-        // A's low-entropy rows count only beside a low-entropy column of B (none: not sampled)
-        bool b_low = false;
-        for (i64 j = 0; j < g.nbb * N; j++) b_low |= g.B.low[j] != 0;
         StatsOut o = as_.out(g.nbc, M, TM, K, g.cap != 0, TN);
         const StatsArgs a{g.a, g.nbc, g.offa, M, K, g.sam, g.sak, bm, g.places, g.np, g.sB, g.ib, TN,
-                          g.cap != 0, b_low, g.dt == DT_F64, o};
+                          g.cap != 0, true, g.dt == DT_F64, o};
         stats_sides<T>(&a, 1, g.nt);
         g.A = side_of(o);
         g.times = o.times;
