@@ -182,7 +182,15 @@ def test_low_entropy_rows_are_the_oracles(dtype):
         nans = torch.randn(k, generator=g)
         nans[::2] = nan
         rows.append(nans)
-        x = torch.stack(rows).to(dtype)
+        # one value at 4 (low) or 3 (not) sampled places 4 or 8 apart, the rest distinct: what the
+        # screen of the halves (AVX2: lanes 0-7 and 8-15, each against its rotations) must see
+        for at in ((0, 4, 8, 12), (0, 8, 15)):
+            spread = torch.randn(k, generator=g)
+            spread[[i for i in at if i < k]] = 2.5
+            rows.append(spread)
+        if dtype == torch.float64:      # distinct doubles, one float: screened as floats, counted exactly
+            rows.append(1.0 + torch.arange(k, dtype=torch.float64) * 2.0 ** -40)
+        x = torch.stack([r.to(dtype) for r in rows])
         for op in (x, x.mT.contiguous().mT):
             want = operand_stats(op, 4, need_s=True).low
             got = compiled.stats(op, 4, need_abs=False).low

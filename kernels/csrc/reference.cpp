@@ -480,6 +480,24 @@ static inline bool may_repeat16(const float* v, i64 np) {
 }
 #endif
 
+#if defined(__AVX2__)
+// Whether two of sixteen floats may be equal within lanes 0-7 or within lanes 8-15 (each compared
+// with its rotations by 1-4: every pair of a half). With 16 samples a low-entropy row has some
+// value at 4 places or more (4 or fewer distinct values, or one repeated 4 times), two of them in
+// one half: none there, the row is not low. NaN equals nothing (torch's == too).
+static inline bool halves_repeat16(const float* v) {
+    const __m256 x0 = _mm256_load_ps(v), x1 = _mm256_load_ps(v + 8);
+    __m256 hit = _mm256_setzero_ps();
+    for (int r = 1; r <= 4; r++) {
+        const __m256i idx = _mm256_setr_epi32(r & 7, (1 + r) & 7, (2 + r) & 7, (3 + r) & 7, (4 + r) & 7,
+                                              (5 + r) & 7, (6 + r) & 7, (7 + r) & 7);
+        hit = _mm256_or_ps(hit, _mm256_cmp_ps(x0, _mm256_permutevar8x32_ps(x0, idx), _CMP_EQ_OQ));
+        hit = _mm256_or_ps(hit, _mm256_cmp_ps(x1, _mm256_permutevar8x32_ps(x1, idx), _CMP_EQ_OQ));
+    }
+    return _mm256_movemask_ps(hit) != 0;
+}
+#endif
+
 // stats.low_entropy of one row (sampled at np places of stride sk), torch's formula branch-free:
 // same_j = how many samples equal sample j (0 for NaN), distinct = sum_j 1 / same_j, repeated =
 // the largest same_j of a nonzero sample. The samples are compared in S (float holds every
@@ -497,6 +515,14 @@ static bool low_entropy(const T* row, i64 sk, const i64* places, i64 np) {
     // no two samples equal (the usual case): not low (as below), found in one instruction
     if constexpr (sizeof(S) == 4)
         if (npad == 16 && np > quarter && !may_repeat16((const float*)v, np)) return false;
+#elif defined(__AVX2__)
+    // no two equal samples in either half (the usual case): not low (halves_repeat16); float
+    // copies of double samples (values that differ may become equal: then the count below)
+    if (np == 16) {
+        alignas(32) float f[16];
+        for (int j = 0; j < 16; j++) f[j] = (float)v[j];
+        if (!halves_repeat16(f)) return false;
+    }
 #endif
     for (int j = 0; j < npad; j++) same[j] = 0;
     if (npad == 16) {
