@@ -11,9 +11,12 @@
 Families: ``extreme`` (operands near each dtype's smallest and largest scaled ranges, small
 shapes, alpha, beta, a bias), ``structured`` (normal, uniform, heavy-tailed, few-valued,
 constant-row, mixed-scale, sparse and integer values; batches and broadcast B; row-major,
-column-major and padded layouts; addends). One line per finding (JSON: kind, seed, and what the
-case was), then a summary line. ``--seed`` starts the seeds; a finding's seed replays it alone
-(``--seed N --cases 1``).
+column-major and padded layouts; addends), ``kernel`` (the fused kernel, ``checked_gemm``, on
+structured values in its dtypes: M, N up to 70 and K up to 300, batches, a bias, tiles 16-64; a
+clean product that alarms is a false alarm; then again with a value added to one accumulator
+element in the kernel; needs TRITON_INTERPRET=1 or a GPU: about a second a case interpreted).
+One line per finding (JSON: kind, seed, and what the case was), then a summary line. ``--seed``
+starts the seeds; a finding's seed replays it alone (``--seed N --cases 1``).
 """
 import argparse
 import json
@@ -28,7 +31,7 @@ import torch
 from abft.kernels import layout as L
 from abft.kernels import reference
 
-FAMILIES = ("extreme", "structured")
+FAMILIES = ("extreme", "structured", "kernel")
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 # the extreme family's operand scales, per dtype (powers of two near its ranges' edges, and 1)
 SCALES = {torch.float64: (-511, -520, -530, 500, 508, 511, 0), torch.float32: (60, 62, -63, -70, 0),
@@ -131,6 +134,58 @@ def _alarmed(v):
     return bool(L.alarmed(v).any())
 
 
+def draw_kernel(seed):
+    """(a, b, checked_gemm kwargs, description) of the kernel family's case ``seed``, or None."""
+    rnd, g = random.Random(seed), torch.Generator().manual_seed(seed)
+    dt = rnd.choice((torch.float32, torch.bfloat16, torch.float16))
+    m, k, n = rnd.randint(1, 70), rnd.choice((rnd.randint(1, 40), rnd.randint(1, 300))), rnd.randint(1, 70)
+    batch = rnd.choice(((), (), (rnd.randint(1, 3),)))
+    a, ka = _values(rnd, g, (*batch, m, k), dt)
+    b, kb = _values(rnd, g, (k, n) if rnd.random() < 0.5 else (*batch, k, n), dt)
+    a, b = _layout(rnd, a), _layout(rnd, b)
+    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        return None
+    kw = dict(tiles=rnd.choice((None, (32, 32), (16, 64), (64, 16))))
+    if rnd.random() < 0.3 and not batch:
+        kw["bias"] = _values(rnd, g, (n,), dt)[0]
+        if not torch.isfinite(kw["bias"]).all():
+            return None
+    return a, b, kw, dict(values=(ka, kb), batch=batch, dtype=str(dt).replace("torch.", ""), mkn=(m, k, n),
+                          tiles=kw["tiles"], bias="bias" in kw)
+
+
+def run_kernel(seconds=60.0, seed=0, cases=None, out=None):
+    """The kernel family (``run``'s arguments and summary)."""
+    from abft.kernels import triton_gemm
+    out = out or sys.stdout
+    s = dict(family="kernel", seeds=[seed, seed], clean=0, false_alarms=0, corrupted=0, caught=0)
+    t0, seed0 = time.time(), seed
+    while (time.time() - t0 < seconds) if cases is None else (seed - seed0 < cases):
+        case = draw_kernel(seed)
+        seed += 1
+        if case is None:
+            continue
+        a, b, kw, what = case
+        c, v, _ = triton_gemm.checked_gemm(a, b, **kw)
+        if not torch.isfinite(c).all():
+            continue
+        s["clean"] += 1
+        if _alarmed(v):
+            s["false_alarms"] += 1
+            print(json.dumps(dict(kind="false_alarm", seed=seed - 1,
+                                  worst=float(torch.maximum(v[..., L.ROW_RATIO], v[..., L.COL_RATIO]).max()),
+                                  **what)), file=out, flush=True)
+        rnd = random.Random(seed - 1 + 10 ** 9)
+        value = rnd.choice((80.0, 1e4, -3.0, 1e-3)) * float(c.abs().max().clamp_min(1))
+        hit = dict(kind="add", batch=rnd.randrange(c.shape[0]) if c.dim() == 3 else 0,
+                   row=rnd.randrange(c.shape[-2]), col=rnd.randrange(c.shape[-1]), k_step=0, value=value)
+        s["corrupted"] += 1
+        s["caught"] += _alarmed(triton_gemm.checked_gemm(a, b, **kw, inject=hit)[1])
+    s["seeds"][1] = seed
+    print(json.dumps(dict(kind="summary", **s)), file=out, flush=True)
+    return s
+
+
 def run(family="structured", seconds=60.0, seed=0, cases=None, against=None, out=None):
     """Fuzz from ``seed`` for ``seconds`` (or ``cases`` cases), its lines to ``out`` (stdout);
     returns the summary (a dict)."""
@@ -207,7 +262,15 @@ def main(argv=None):
         p.error(f"--threads: must be at least 1, got {args.threads}")
     if args.against is not None and not (pathlib.Path(args.against) / "reference.py").is_file():
         p.error(f"--against: no reference.py in {args.against}")
+    if args.family == "kernel":
+        if args.against is not None:
+            p.error("--against: compares reference checks; the kernel family has none")
+        from abft.kernels import configs
+        if not (configs.interpreting() or torch.cuda.is_available()):
+            p.error("--family: kernel needs TRITON_INTERPRET=1 or a GPU")
     torch.set_num_threads(args.threads)
+    if args.family == "kernel":
+        return run_kernel(args.seconds, args.seed, args.cases)
     return run(args.family, args.seconds, args.seed, args.cases, args.against)
 
 

@@ -7,6 +7,7 @@ import pathlib
 import sys
 
 import pytest
+import torch
 
 
 def test_pairbench_runs_one_round(capsys):
@@ -60,8 +61,26 @@ def test_fuzzcheck_finds_no_false_alarm_on_its_first_seeds(family, capsys):
     assert one["seeds"] == [7, 8] and '"kind": "summary"' in capsys.readouterr().out
 
 
+def test_fuzzcheck_kernel_family_runs_the_fused_kernel(capsys, monkeypatch):
+    """A few seeds of the fused kernel (interpreted): clean products that do not alarm, corrupted
+    ones caught; with the thresholds shrunk (LAMBDA 0.02) the same clean seeds alarm: the count can
+    fail."""
+    import fuzzcheck
+    from abft.kernels import configs
+    from abft.kernels import threshold as T
+    if not (configs.interpreting() or torch.cuda.is_available()):
+        pytest.skip("needs TRITON_INTERPRET=1 or a GPU")
+    s = fuzzcheck.run_kernel(cases=6, seed=0)
+    assert s["seeds"] == [0, 6] and 3 <= s["clean"] <= 6 and s["false_alarms"] == 0
+    assert 0 < s["corrupted"] == s["clean"] and s["caught"] >= s["corrupted"] - 1
+    monkeypatch.setattr(T, "LAMBDA", 0.02)
+    assert fuzzcheck.run_kernel(cases=6, seed=0)["false_alarms"] > 0
+    assert capsys.readouterr().out.count('"kind": "summary"') == 2
+
+
 @pytest.mark.parametrize("argv,field", [(["--family", "wild"], "--family"), (["--seconds", "0"], "--seconds"),
-                                        (["--cases", "0"], "--cases"), (["--against", "/nonexistent"], "--against")])
+                                        (["--cases", "0"], "--cases"), (["--against", "/nonexistent"], "--against"),
+                                        (["--family", "kernel", "--against", "kernels"], "--against")])
 def test_fuzzcheck_refuses_bad_input_naming_the_field(argv, field, capsys):
     import fuzzcheck
     with pytest.raises(SystemExit) as e:
