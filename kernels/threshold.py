@@ -320,15 +320,15 @@ def threshold(c, *, s1, s2, sa, pred, x1, xinf, xs1, xsinf, y1, yinf, nu, low, e
     # low entropy: errors of one sign per product term, so in the terms' magnitudes (at most
     # sqrt(bs k Q) by Cauchy-Schwarz), not only |C|'s (which cancellation makes small); an addend
     # that starts the accumulator rounds at its own size at every step
-    tq = torch.sqrt(c.bs * max(c.k, 1.0) * q)
+    tq = math.sqrt(c.bs * max(c.k, 1.0)) * torch.sqrt(q)      # (two roots: bs K q may overflow)
     mag = torch.maximum(sa, tq)
     if da is not None:
         mag = mag + 2 * da
     thr = thr + torch.where(low, c.lowent * mag, torch.zeros_like(sa))
     # the check's own sums add a repeated row's (or a few-valued block's) equal values in order:
     # in one binade each addition rounds the same way, up to (nu / 2) u of their magnitude
-    if c.rep:
-        thr = thr + c.rep * (nu - 1) * (sa + tq)
+    if c.rep:                   # (only where rows repeat: elsewhere an overflowing sum is no NaN)
+        thr = thr + torch.where(nu > 1, c.rep * (nu - 1) * (sa + tq), torch.zeros_like(sa))
     if c.out:
         thr = thr + c.out * sa
     else:
@@ -472,7 +472,7 @@ if triton is not None:
         thr = lam * tl.sqrt(nu * prod + check) + bias * tl.abs(pred)
         thr = thr + directed * (0.5 * tl.abs(pred) + tl.sqrt(q / 3))
         thr = thr + directed_chk * (0.5 * tl.abs(pred) + tl.sqrt(qs / 3))
-        mag = tl.maximum(sa, tl.sqrt(bs * tl.maximum(k, 1.0) * q), propagate_nan=tl.PropagateNan.ALL)
+        mag = tl.maximum(sa, tl.sqrt(bs * tl.maximum(k, 1.0)) * tl.sqrt(q), propagate_nan=tl.PropagateNan.ALL)
         thr = thr + tl.where(low, lowent * mag, 0.0)
         # eta_acc per product term and per product of the predicted dot product (2^-150 in two
         # factors: one 2^e is clamped at float32's smallest normal)

@@ -165,7 +165,7 @@ def test_low_entropy_rows_are_the_oracles(dtype):
     samples {+0, -0, x} are low), or NaNs with one bit pattern (equal bits, unequal values): the
     compiled check tells "no two samples equal" apart without counting, and must not be fooled by
     either. Rows of K = 1 to 200, contiguous and strided."""
-    from abft.kernels.stats import operand_stats
+    from abft.kernels.stats import _places, operand_stats
     g = torch.Generator().manual_seed(11)
     nan = torch.tensor(float("nan"))
     for k in (1, 2, 3, 4, 5, 8, 15, 16, 17, 64, 200):
@@ -184,9 +184,10 @@ def test_low_entropy_rows_are_the_oracles(dtype):
         rows.append(nans)
         # one value at 4 (low) or 3 (not) sampled places 4 or 8 apart, the rest distinct: what the
         # screen of the halves (AVX2: lanes 0-7 and 8-15, each against its rotations) must see
+        places = _places(k, min(k, 16), "cpu")
         for at in ((0, 4, 8, 12), (0, 8, 15)):
             spread = torch.randn(k, generator=g)
-            spread[[i for i in at if i < k]] = 2.5
+            spread[places[[i for i in at if i < len(places)]]] = 2.5
             rows.append(spread)
         if dtype == torch.float64:      # distinct doubles, one float: screened as floats, counted exactly
             rows.append(1.0 + torch.arange(k, dtype=torch.float64) * 2.0 ** -40)

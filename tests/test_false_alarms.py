@@ -639,3 +639,23 @@ def test_compiled_check_of_a_one_valued_float64_a_does_not_alarm():
         c = a @ b
         for check in (R.check_torch, R.check):
             assert max(float(x.abs().max()) for x in check(a, b, c, bm=256, bn=5, units=R.units_for(c))[1]) < 1, seed
+
+
+@pytest.mark.parametrize("check", ["check", "check_torch"])
+def test_a_float64_product_scaled_by_a_huge_power_of_two_alpha_is_verified(check):
+    """float64 addmm with alpha = 2^505 (operands near 2^-300): bs K Q overflows float64 though Q
+    does not; its root taken whole made the low-entropy and repeated-row terms inf, and 0 * inf a
+    NaN threshold (the tile unverified) where the row repeats nothing. Verified, and a corrupted
+    element alarms."""
+    from abft.kernels import layout as L
+    from abft.kernels import reference as R
+    g = torch.Generator().manual_seed(0)
+    a = torch.randn(64, 64, generator=g, dtype=torch.float64) * 2.0 ** -300
+    b = torch.randn(64, 64, generator=g, dtype=torch.float64) * 2.0 ** -300
+    alpha = 2.0 ** 505
+    c = torch.addmm(torch.zeros(64, dtype=torch.float64), a, b, beta=0.0, alpha=alpha)
+    kw = dict(bm=64, bn=64, units=R.units_for(c), alpha=alpha)
+    v = getattr(R, check)(a, b, c, **kw)[0]
+    assert (v[..., L.STATUS] == L.OK).all() and not L.alarmed(v).any()
+    c[5, 7] += 1e-6 * c.abs().max()
+    assert L.alarmed(getattr(R, check)(a, b, c, **kw)[0]).any()

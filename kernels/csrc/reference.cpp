@@ -1536,11 +1536,11 @@ static inline __attribute__((always_inline)) v4d threshold4(const double* c, v4d
     } else {
         bad |= ~fin4(ap) | ~fin4(qs);
     }
-    const v4d tq = sqrt4((c[BS] * std::max(c[KK], 1.0)) * q);
+    const v4d tq = std::sqrt(c[BS] * std::max(c[KK], 1.0)) * sqrt4(q);     // (bs K q may overflow)
     v4d mag = nmax4(sa, tq);
     if (has_d) mag += 2.0 * da;
     thr += sel(low, c[LOWENT] * mag, splat(0.0));
-    if (c[REP] != 0) thr += (c[REP] * (nu - 1.0)) * (sa + tq);
+    if (c[REP] != 0 && nu > 1) thr += (c[REP] * (nu - 1.0)) * (sa + tq);
     if (c[OUT] != 0) thr += c[OUT] * sa;
     else bad |= ~fin4(sa);
     thr = sel(bad, splat(NaN), thr);
