@@ -310,7 +310,9 @@ def checked_gemm_kernel(
         tc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         tr = tl.zeros((BLOCK_M,), dtype=tl.float32)
         if CAP:
-            # K <= SMALL_K: the exact sums of |a||b| of the worst-case cap, after the K loop
+            # K <= SMALL_K: the exact sums of |a||b| of the worst-case cap, after the K loop, of
+            # |a| 2^-E_p and |b| 2^-F_q (in natural units a row of B near 2^124 summed past
+            # float32's range: the cap went to inf, and the verdict changed with the scale)
             for ks in range(0, tl.cdiv(K, BLOCK_K)):
                 kk = ks * BLOCK_K + rk
                 k_ok = kk < K
@@ -320,10 +322,12 @@ def checked_gemm_kernel(
                 bf = tl.abs(tl.load(b_ptr + pid_b * stride_bb + kk[:, None] * stride_bk
                                     + rc_n[None, :] * stride_bn,
                                     mask=k_ok[:, None] & nc_ok[None, :], other=0.0).to(tl.float32))
+                af = times_pow2_tl(af, -e_p)
+                bf = times_pow2_tl(bf, -f_q)
                 tc += tl.sum(tl.sum(af, 0)[:, None] * bf, 0)
                 tr += tl.sum(af * tl.sum(bf, 1)[None, :], 1)
-            tc = tc * s_t * up_c
-            tr = tr * s_t * up_r
+            tc = tc * up_c
+            tr = tr * up_r
         thr_c = threshold_tl(coef_ptr, s1_c, s2_c, sa_c, p_c,
                              tl.load(ab + _BX1), tl.load(ab + _BXINF), tl.load(ab + _BXS1),
                              tl.load(ab + _BXSINF), r1_j, rinf_j, tl.load(ab + _BNU),
