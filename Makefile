@@ -24,9 +24,12 @@ demo: $(STAMP)
 demo-gemm: $(STAMP)
 	$(BIN)/abft demo
 
-# the suite CI runs (under 20 minutes on 2 cores); the slow tests are the next target
+# the suite CI runs (under 20 minutes on 2 cores); the slow tests are the next target. JOBS
+# pytest-xdist workers: most tests are one thread (the Triton interpreter, small products), so
+# one worker per core
+JOBS ?= 2
 test: $(STAMP)
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests --benchmark-disable -m "not slow"
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests --benchmark-disable -m "not slow" -n $(JOBS) --dist worksteal
 
 # the tests marked slow (the fused kernel under a whole Llama, the second stress seed, an
 # evaluation trial on the triton backend): run them before calling work on the kernel, the

@@ -15,7 +15,7 @@ setup(
     install_requires=["torch>=2.4", "numpy", "matplotlib"],
     extras_require={
         "triton": ["triton"],
-        "test": ["pytest", "pytest-benchmark", "hypothesis", "transformers", "accelerate",
+        "test": ["pytest", "pytest-xdist", "pytest-benchmark", "hypothesis", "transformers", "accelerate",
                  "expecttest"],
     },
     entry_points={"console_scripts": ["abft=abft.cli:main"]},
