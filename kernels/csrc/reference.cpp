@@ -922,8 +922,8 @@ static bool block_sums(const T* x, i64 nr, i64 K, i64 sr, i64 sk, BlockPath path
 // as long.)
 template <typename T>
 static void stats_block(const T* x, i64 R, i64 K, i64 sr, i64 sk, i64 bs, i64 p, const i64* places,
-                        i64 np, const double* rhs, const double* rhsT, i64 S, bool need_abs, bool need_low,
-                        bool pre, StatsOut o, i64 rbase, i64 tbase, double* bsum, double* bsq, double* babs,
+                        i64 np, const double* rhs, const double* rhsT, i64 S, bool need_abs, bool pre,
+                        StatsOut o, i64 rbase, i64 tbase, double* bsum, double* bsq, double* babs,
                         double* buf, double* xb, double* tg, double* rowv) {
     const i64 i0 = p * bs, i1 = std::min(R, i0 + bs), nr = i1 - i0;
     const BlockPath path = (sr == 1 && sk != 1 && R > 1) ? COLS : sk == 1 ? ROWS : ROWS_STRIDED;
@@ -1014,8 +1014,8 @@ static void stats_block(const T* x, i64 R, i64 K, i64 sr, i64 sk, i64 bs, i64 p,
     i64 nlow = 0;
     for (i64 i = i0; i < i1; i++) {
         i64 g = rbase + i;
-        if (K == 0 || !need_low) {
-            o.low[g] = K == 0;
+        if (K == 0) {
+            o.low[g] = true;
         } else {
             o.low[g] = sizeof(T) == 8 ? low_entropy<double>(x + i * sr, sk, places, np)
                                       : low_entropy<float>(x + i * sr, sk, places, np);
@@ -1065,7 +1065,7 @@ struct StatsArgs {
     const double* rhs;
     const i64* rhs_idx;
     i64 S;
-    bool need_abs, need_low, pre;
+    bool need_abs, pre;
     StatsOut o;
 };
 
@@ -1115,7 +1115,7 @@ static void stats_sides(const StatsArgs* sd, int n, int nt) {
             stats_block<T>((const T*)a.x + a.offs[b], a.R, a.K, a.sr, a.sk, a.bs, p, a.places, a.np,
                            a.rhs ? a.rhs + a.rhs_idx[b] * a.S * a.K : nullptr,
                            rhsT[i].empty() ? nullptr : rhsT[i].data() + a.rhs_idx[b] * a.K * s8, a.S,
-                           a.need_abs, a.need_low, a.pre, a.o, b * a.R, b * tb, w.bsum.data(), w.bsq.data(),
+                           a.need_abs, a.pre, a.o, b * a.R, b * tb, w.bsum.data(), w.bsq.data(),
                            w.babs.data(), w.buf.data(), w.xb.data(), w.tg.data(), w.rowv.data());
         }, true);
 }
@@ -1137,7 +1137,7 @@ static void stats_sides(const StatsArgs* sd, int n, int nt) {
 static StatsArgs stats_args(const i64* dims, const void* const* ptrs) {
     auto d = [&](int i) { return (double*)ptrs[i]; };
     return StatsArgs{ptrs[0], dims[1], (const i64*)ptrs[1], dims[2], dims[3], dims[4], dims[5], dims[6],
-                     (const i64*)ptrs[2], dims[7], nullptr, nullptr, 0, dims[8] != 0, true, dims[0] == DT_F64,
+                     (const i64*)ptrs[2], dims[7], nullptr, nullptr, 0, dims[8] != 0, dims[0] == DT_F64,
                      StatsOut{d(3), d(4), d(5), d(8), d(9), d(10), d(11), d(12), d(13), d(14), d(15), nullptr,
                               (uint8_t*)ptrs[6], (uint8_t*)ptrs[7]}};
 }
@@ -1822,7 +1822,7 @@ static void check_t(CheckArgs g) {
     if (g.B.e == nullptr) {
         StatsOut o = bs_.out(g.nbb, N, TN, K, g.cap != 0, 0);
         const StatsArgs b{g.b, g.nbb, g.offbb, N, K, g.sbn, g.sbk, bn, g.places, g.np, nullptr, nullptr, 0,
-                          g.cap != 0, true, g.dt == DT_F64, o};
+                          g.cap != 0, g.dt == DT_F64, o};
         stats_sides<T>(&b, 1, g.nt);
         g.B = side_of(o);
         g.absB = o.absum;
@@ -1832,7 +1832,7 @@ static void check_t(CheckArgs g) {
     {
         StatsOut o = as_.out(g.nbc, M, TM, K, g.cap != 0, TN);
         const StatsArgs a{g.a, g.nbc, g.offa, M, K, g.sam, g.sak, bm, g.places, g.np, g.sB, g.ib, TN,
-                          g.cap != 0, true, g.dt == DT_F64, o};
+                          g.cap != 0, g.dt == DT_F64, o};
         stats_sides<T>(&a, 1, g.nt);
         g.A = side_of(o);
         g.times = o.times;
