@@ -366,21 +366,45 @@ def test_kernel_cap_of_a_row_of_b_near_float32s_largest_is_scale_free():
 
 
 def _checksum_underflow_negligible(a, b, sums, dtype, rtol):
-    """The fused kernel's allowance for its checksum products' underflow (eta_acc per product of
-    each checksum part, at the row's or column's scale 2^-e) is below rtol / 10 of every threshold:
-    ``_underflow_negligible`` screens the reference's model, which has no such term. Hypothesis
+    """The fused kernel's allowance for its checksum products' underflow is below rtol / 10 of
+    every threshold: ``_underflow_negligible`` screens the reference's model, which has no such
+    term. A row sum's prediction multiplies A's row (natural units) by B's block checksum in the
+    block's units (2^-E, E the exponent of its largest |b|), so the products' underflow, 2^-150
+    each, is 2^(E - 150) in C's units: eta_acc K parts 2^E for the row sums, with A's block
+    exponent for the column sums (bounded here by the whole operand's largest element). Hypothesis
     drew A (28, 1) at 2^-119 against B at 2^119 (2026-12-06): a row near 2^-125.7 times B's
-    checksum, of order 1 in its block's units, rounds to float32's subnormal grid, and the row's
-    ratio doubled against the unscaled product's, within the allowance
-    (test_false_alarms.py's test_fused_kernel_allows_its_checksum_products_below_the_normal_range)."""
+    checksum rounds to float32's subnormal grid, and the row's ratio doubled against the unscaled
+    product's, within the allowance
+    (test_false_alarms.py's test_fused_kernel_allows_its_checksum_products_below_the_normal_range).
+    The screen once took the row's exponent instead of the checksum's: it kept A (1, 10) at 2^-114
+    against B at 2^116, whose row thresholds moved 2.5e-5 (the allowance, k 2^-32 in C's units)."""
     from abft.kernels import prepass
     eta = units(dtype, check=torch.float32, stored=False).eta_acc
     per = a.shape[-1] * prepass.parts_for(dtype, False) * eta
-    e_row = torch.frexp(a.double().abs().amax(-1))[1].double()
-    e_col = torch.frexp(b.double().abs().amax(-2))[1].double()
-    ok_row = per * torch.exp2(-e_row)[:, None] <= rtol / 10 * sums["thr_row"].double()
-    ok_col = per * torch.exp2(-e_col)[None, :] <= rtol / 10 * sums["thr_col"].double()
+    top = lambda x: 2.0 ** (int(torch.frexp(x.double().abs().amax())[1]) + 1) if x.numel() else 0.0
+    ok_row = per * top(b) <= rtol / 10 * sums["thr_row"].double()
+    ok_col = per * top(a) <= rtol / 10 * sums["thr_col"].double()
     return bool(ok_row.all() and ok_col.all())
+
+
+def test_the_kernels_invariance_screen_takes_the_checksums_scale():
+    """A (1, 10) at 2^-114 against B (10, 17) at 2^116: the scaled product's row thresholds exceed
+    the unscaled one's by k 2^-32 in C's units (the checksum products' underflow allowance at B's
+    block exponent 2^118), 2.5e-5 of them. The screen must take it out (the row's exponent, 2^-113,
+    put the allowance at 2^-37 k and kept it); the unscaled product stays in."""
+    pytest.importorskip("triton")
+    from abft.kernels import configs
+    from abft.kernels import triton_gemm as TG
+    if not configs.interpreting():
+        pytest.skip("needs TRITON_INTERPRET=1")
+    a, b, c, a2, b2, c2, ok = _scaled_operands(1, 10, 17, 35, -114, 116, torch.float32)
+    assert ok
+    _, _, _, s = TG.checked_gemm(a, b, tiles=(32, 32), return_sums=True)
+    _, _, _, s2 = TG.checked_gemm(a2, b2, tiles=(32, 32), return_sums=True)
+    moved = (s2["thr_row"].double() * 2.0 ** -2 / s["thr_row"].double() - 1).abs().max()
+    assert moved > 1e-5
+    assert _checksum_underflow_negligible(a, b, s, torch.float32, 1e-5)
+    assert not _checksum_underflow_negligible(a2, b2, s2, torch.float32, 1e-5)
 
 
 def test_the_kernels_invariance_test_skips_checksum_products_below_the_normal_range():
