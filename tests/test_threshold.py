@@ -318,9 +318,10 @@ def test_reference_verdict_is_invariant_under_power_of_two_scaling(data, dtype):
 
 
 # derandomized: its random draws found, on CI of 301d965, the cap's overflow (mended, test above)
-# and then a row of A at 2^-114 (K = 10) whose row thresholds move by 3.5e-5 under scaling (the
-# checksum products' underflow allowance, absolute by design, which the screen below should have
-# excluded: not diagnosed); a CI run must not depend on the draw (derandomize=False explores).
+# and then a row of A at 2^-114 (K = 10) whose row thresholds moved by 3.5e-5 under scaling (the
+# checksum products' underflow allowance, which the screen took at the wrong exponent: mended, test
+# below; 250 random draws then passed); a CI run must not depend on the draw (derandomize=False
+# explores).
 @settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.filter_too_much], derandomize=True)
 @given(data=st.data(), dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
 def test_kernel_verdict_is_invariant_under_power_of_two_scaling(data, dtype):
