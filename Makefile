@@ -35,7 +35,7 @@ test: $(STAMP)
 # evaluation trial on the triton backend): run them before calling work on the kernel, the
 # threshold or the evaluation's triton path done
 test-slow: $(STAMP)
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests --benchmark-disable -m slow
+	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests --benchmark-disable -m slow -n $(JOBS) --dist worksteal
 
 bench: $(STAMP)
 	$(BIN)/abft bench
