@@ -24,18 +24,20 @@ demo: $(STAMP)
 demo-gemm: $(STAMP)
 	$(BIN)/abft demo
 
-# the suite CI runs (under 20 minutes on 2 cores); the slow tests are the next target. JOBS
-# pytest-xdist workers: most tests are one thread (the Triton interpreter, small products), so
-# one worker per core
+# both suites in JOBS pytest-xdist workers: most tests are one thread (the Triton interpreter,
+# small products), so one worker per core
 JOBS ?= 2
+PYTEST := TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests --benchmark-disable -n $(JOBS) --dist worksteal
+
+# the suite CI runs (under 20 minutes on 2 cores); the slow tests are the next target
 test: $(STAMP)
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests --benchmark-disable -m "not slow" -n $(JOBS) --dist worksteal
+	$(PYTEST) -m "not slow"
 
 # the tests marked slow (the fused kernel under a whole Llama, the second stress seed, an
 # evaluation trial on the triton backend): run them before calling work on the kernel, the
 # threshold or the evaluation's triton path done
 test-slow: $(STAMP)
-	TRITON_INTERPRET=1 $(BIN)/python -m pytest -q tests --benchmark-disable -m slow -n $(JOBS) --dist worksteal
+	$(PYTEST) -m slow
 
 bench: $(STAMP)
 	$(BIN)/abft bench
