@@ -23,6 +23,7 @@ from abft.recompute import RecomputeCheck
 from abft.comm import CommCheck
 from abft.ledger import Ledger
 from abft.carry import OutputCheck
+from abft import carry as _carry
 from abft import coverage as _coverage
 from abft import policy as _policy
 from abft.alarms import default_log as _default_log
@@ -78,6 +79,7 @@ def reset():
     _default_log().clear()
     _policy.reset_stats()
     _coverage.reset()
+    _carry.forget_sites()
 
 
 __all__ = ["StepGuard", "GuardHalt", "RestCheck", "RecomputeCheck", "CommCheck", "Ledger", "OutputCheck", "matmul", "mm", "bmm", "addmm", "baddbmm", "linear", "scope", "config", "inject",

@@ -32,9 +32,14 @@ _local = threading.local()       # recording: the op runs under its eager autogr
 
 def _rule(op_def, backward, setup):
     """``op_def.register_autograd(backward, setup_context=setup)``, the rule kept for the eager
-    autograd Function that runs the op's own function where nothing needs the custom op."""
-    op_def.register_autograd(backward, setup_context=setup)
-    _RULES[op_def] = (backward, setup)
+    autograd Function that runs the op's own function where nothing needs the custom op. Once
+    the backward has read its incoming gradients, an OutputCheck verifies them (``carry``)."""
+    def read(ctx, *grads):
+        out = backward(ctx, *grads)
+        carry.consumed(grads)
+        return out
+    op_def.register_autograd(read, setup_context=setup)
+    _RULES[op_def] = (read, setup)
 
 
 def _product(kind, a, b, op, phase, module):
@@ -494,6 +499,8 @@ def _call(fn, device_of, tensors, *rest):
 
 
 def _autocast_call(fn, device_of, tensors, rest):
+    if carry.operands():                # an OutputCheck takes operands: these were read
+        carry.read(tensors)
     tensors, cast = _autocast(tensors[device_of].device.type, *tensors)
     if cast:
         with torch.autocast(tensors[device_of].device.type, enabled=False):

@@ -24,7 +24,7 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from abft import attention, autograd, coverage, dtensor, ops
+from abft import attention, autograd, carry, coverage, dtensor, ops
 
 _local = threading.local()
 
@@ -302,7 +302,11 @@ class checked(TorchFunctionMode):
         if func not in _OWN and not isinstance(func, FunctionType) and type(func) not in _ATEN_TYPES:
             # most calls: torch's own compiled functions, methods and attributes, which abft
             # leaves alone and which call no torch function back (so no pass-through mark)
-            return func(*args, **kwargs)
+            if not carry.operands():
+                return func(*args, **kwargs)
+            out = func(*args, **kwargs)       # a product may read it next: fingerprinted
+            carry.produced(out, self._label or current_module())
+            return out
         if _state("passing"):
             # an inner abft block handles this call: what it runs (torch's own call, abft's
             # check) is its own, so an outer block (protect's ``within`` under ``checked``)

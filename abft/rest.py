@@ -26,6 +26,7 @@ import warnings
 import torch
 
 from abft import weightcache
+from abft.kernels import compiled
 
 _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}
 _CHUNK = 1 << 22          # elements per pass: bounds the float64 temporaries
@@ -76,12 +77,20 @@ def fingerprint(t, block, first=0, count=None):
     int64 tensor: plain, weighted by the index k (1-based) in the block, weighted by f(k).
     ``first``, ``count``: a range of blocks only.
 
-    One pass to float64 and one product with the (block, 3) weights: every term and partial sum
-    is an integer below 2^53 (|bits| < 2^31, k <= 256, f(k) <= 4093), so the float64 sums are
-    exact whatever the summation order."""
+    Every term and partial sum is an integer below 2^53 (|bits| < 2^31, k <= 256, f(k) <= 4093),
+    so float64 sums are exact whatever the order: on the CPU the compiled library's one read of
+    the words (``kernels/csrc``), elsewhere (or without it) ``fingerprint_torch``."""
     bits = _bits(t)
     nb = -(-bits.numel() // block)
     count = nb - first if count is None else count
+    fast = compiled.fingerprint(bits[first * block:(first + count) * block], block)
+    if fast is not None:                          # the compiled pass (CPU): the same sums
+        return fast.t()
+    return fingerprint_torch(bits, block, first, count)
+
+
+def fingerprint_torch(bits, block, first, count):
+    """``fingerprint``'s sums in torch (any device; the compiled version's oracle)."""
     out = torch.empty(count, 3, dtype=torch.int64, device=bits.device)
     w = position_weights(block, bits.device)
     per = max(1, _CHUNK // block)

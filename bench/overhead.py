@@ -2,6 +2,7 @@
 and tests/bench share). Timings on a shared CPU drift by 20% between runs, so each repetition
 times the plain and the checked call back to back (in alternating order) and the ratio of the
 pair is the sample; we report the median ratio and its interquartile range."""
+import functools
 import statistics
 import time
 
@@ -71,7 +72,9 @@ def detector_step_pair(factory, detector):
     one bucket over a one-rank gloo group, plain in both, with ``CommCheck``'s checksums in one
     (the collective itself is a copy here: the figure is the checksums' compute, not the
     0.8% more bytes on a real link); ``carry``: both protected and checked (the products'
-    outputs are what it carries), one under ``OutputCheck``."""
+    outputs are what it carries), one under ``OutputCheck``; ``operands``: both under
+    ``OutputCheck``, one taking the GEMM operands too (``operands=True``, the default) and
+    the other not: what the operands' fingerprints add."""
     import copy
     import abft
     import torch.distributed as dist
@@ -79,7 +82,7 @@ def detector_step_pair(factory, detector):
     model, inputs = factory()
     twin = copy.deepcopy(model)
     group = dist.ProcessGroupGloo(dist.HashStore(), 0, 1) if detector == "comm" else None
-    if detector == "carry":
+    if detector in ("carry", "operands"):
         abft.protect(model)
         abft.protect(twin)
 
@@ -99,8 +102,11 @@ def detector_step_pair(factory, detector):
             abft.RecomputeCheck(m, rate=1.0)
         cc = abft.CommCheck(m) if on and detector == "comm" else None
 
-        checked = (lambda: abft.checked(m)) if detector == "carry" else contextlib.nullcontext
-        carried = abft.OutputCheck if on and detector == "carry" else contextlib.nullcontext
+        checked = (lambda: abft.checked(m)) if detector in ("carry", "operands") \
+            else contextlib.nullcontext
+        carried = abft.OutputCheck if on and detector == "carry" else \
+            functools.partial(abft.OutputCheck, operands=on) if detector == "operands" else \
+            contextlib.nullcontext
 
         def run():
             with checked(), carried():
@@ -185,12 +191,13 @@ def add_arguments(ap):
     ap.add_argument("--model", default=None,
                     help="package.module:factory returning (model, inputs) with model(*inputs) a "
                          "loss: time one training step plain vs protected")
-    ap.add_argument("--detector", default="gemm", choices=["gemm", "rest", "recompute", "comm", "carry"],
+    ap.add_argument("--detector", default="gemm", choices=["gemm", "rest", "recompute", "comm", "carry", "operands"],
                     help="with --model: the checked GEMMs (protect + checked, SGD), the "
                          "state-at-rest check (AdamW, seal and verify every step), the "
                          "recompute of the non-GEMM modules (AdamW, rate 1), the checksummed "
-                         "gradient all-reduce (AdamW, one-rank gloo group) or the products' "
-                         "outputs carried to their death (both arms checked)")
+                         "gradient all-reduce (AdamW, one-rank gloo group), the products' "
+                         "outputs carried to their death (both arms checked) or what the "
+                         "operands' fingerprints add to that (both arms carried)")
 
 
 GPU_SHAPES = "4096x4096x4096,8192x8192x8192,linear:16384x4096x4096,linear:16384x4096x14336"

@@ -22,7 +22,8 @@ import math
 from abft.eval.faults import bit_class
 
 CAUSES = {
-    "gemm_operand": "operand corrupted before the GEMM read it (its checksums agree)",
+    "gemm_operand": "operand corrupted before the GEMM read it (its checksums agree; "
+                    "abft.OutputCheck takes operands where they are made)",
     "gemm_output": "corrupted after the check",
     "optimizer_state": "optimizer state: no GEMM reads it",
     "nongemm_op": "outside the protected GEMMs (softmax, norm, activation)",

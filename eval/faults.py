@@ -28,7 +28,10 @@ Sites (``phase`` in brackets):
 - ``gemm_accumulator`` (forward, and both backward GEMMs): through ``abft.inject``, the product
   is corrupted before its check, as a fault in the GEMM's arithmetic would.
 - ``gemm_operand`` (forward: the input activation; backward: the incoming gradient, which both
-  backward GEMMs read): corrupted in memory before the GEMM reads it.
+  backward GEMMs read): corrupted in memory (no version bump) after it was made and before the
+  GEMM reads it: in the module's first forward pre-hook, or in a hook on the output's gradient
+  registered after those already there. Every reader of that memory sees it, autograd's saved
+  copy too.
 - ``gemm_output`` (forward, grad_input / grad_a, grad_weight): after the check.
 - ``weight_memory``: a weight matrix at rest, changed through ``.data`` (no version bump), before
   micro-step ``micro_step``'s forward: at 0 the next forward takes fresh checksums, later ones
@@ -548,7 +551,7 @@ class Armed:
         elif site == "gemm_operand" and phase == "forward":
             self.handles.append(mod.register_forward_pre_hook(self._operand, prepend=True))
         elif site == "gemm_operand":
-            self.handles.append(mod.register_full_backward_pre_hook(self._grad_output, prepend=True))
+            self.handles.append(mod.register_forward_hook(self._arm_grad_output, prepend=True))
         elif site == "gemm_output" and phase == "forward":
             self.handles.append(mod.register_forward_hook(self._output_in_place, prepend=True))
         elif site == "nongemm_op":
@@ -591,10 +594,20 @@ class Armed:
         return True
 
     def _operand(self, mod, args):
-        return (_Replace.apply(args[0], lambda x: corrupt(self.ev, x)),) + tuple(args[1:])
+        """The input activation changed in memory (no version bump) after its producer wrote
+        it, as the module is about to read it: every reader of that memory sees it (autograd's
+        saved copy for the backward too), as with a flip in HBM or a buffer on the way."""
+        corrupt(self.ev, args[0].data)
 
-    def _grad_output(self, mod, grad_output):
-        return (corrupt(self.ev, grad_output[0].clone()),) + tuple(grad_output[1:])
+    def _arm_grad_output(self, mod, args, out):
+        """The incoming gradient changed in memory once autograd has made it, before the
+        module's backward products read it: a hook on the output's gradient, after those
+        already there."""
+        if torch.is_tensor(out) and out.requires_grad:
+            self.handles.append(out.register_hook(self._grad_output))
+
+    def _grad_output(self, grad):
+        corrupt(self.ev, grad.data)
 
     def _output(self, mod, args, out):
         return _Replace.apply(out, lambda x: corrupt(self.ev, x))

@@ -18,6 +18,7 @@ Two ways to pair:
   group. ``2 x N`` ranks a pair.
 """
 import contextlib
+import functools
 import math
 import os
 import time
@@ -162,7 +163,8 @@ class Replica:
         self.sync = sync.attach(self.model)
         self.losses, self.dev, self.div = [], [], []
         self.comm = GradLink(self.model) if cfg.comm else None
-        self.carry = abft.OutputCheck if cfg.carry else contextlib.nullcontext
+        self.carry = functools.partial(abft.OutputCheck, model=self.model) if cfg.carry \
+            else contextlib.nullcontext
         self.rest = None
         if cfg.rest:
             self.rest = abft.RestCheck(self.opt, names={p: n for n, p in self.params.items()})

@@ -106,6 +106,9 @@ def _build():
     lib.abft_stats2.restype = ctypes.c_int
     lib.abft_check.argtypes = [P, P, P, P]
     lib.abft_check.restype = ctypes.c_int
+    I = ctypes.c_int64
+    lib.abft_fingerprint.argtypes = [P, I, I, I, P, I]
+    lib.abft_fingerprint.restype = ctypes.c_int
     return lib
 
 
@@ -347,4 +350,23 @@ def check(a, b, c, *, bm, bn, units, acc, chk, alpha, addend, beta, lam, return_
         out += (dict(res_col=res_c, thr_col=thr_c, res_row=res_r, thr_row=thr_r),)
     if summary:
         out += (tuple(summ),)
+    return out
+
+
+def fingerprint(words, block):
+    """``abft.rest.fingerprint``'s sums of ``words`` (flat contiguous int16 or int32 on the CPU),
+    a (blocks, 3) int64 tensor; None where the library cannot take them (the torch version
+    then runs)."""
+    if torch.compiler.is_compiling() or not enabled() or not words.is_cpu or \
+            words.dtype not in (torch.int16, torch.int32) or not words.is_contiguous() or \
+            type(words) not in backends.PLAIN:
+        return None
+    lib = library()
+    if lib is None:
+        return None
+    n = words.numel()
+    out = torch.empty(-(-n // block), 3, dtype=torch.int64)
+    if lib.abft_fingerprint(words.data_ptr(), words.element_size(), n, block, out.data_ptr(),
+                            torch.get_num_threads()):
+        return None
     return out

@@ -239,3 +239,36 @@ def test_the_guard_counts_alarms_resolved_early_by_a_full_queue():
                                                  c.module == "0", kind="add", value=50.0):
         guard.step(closure)
     assert guard.records[-1]["alarm_counts"] == [1] and guard.records[-1]["decision"] == "skip"
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64,
+                                   torch.uint8, torch.int32])
+@pytest.mark.parametrize("block", [1, 7, 256])
+def test_the_compiled_fingerprint_equals_the_torch_one(dtype, block):
+    """Every dtype's words (16-bit, 32-bit, 64-bit as two words, bytes widened), blocks that do
+    not divide the length, a range of blocks, and the extreme words (+-2^31, +-2^15)."""
+    from abft.kernels import compiled
+    if compiled.library() is None:
+        pytest.skip("no compiled library here")
+    g = torch.Generator().manual_seed(block)
+    n = 3 * 1000 + 17
+    if dtype.is_floating_point:
+        t = (torch.randn(n, generator=g, dtype=torch.float64) * 1e3).to(dtype)
+    else:
+        t = torch.randint(0, 200 if dtype == torch.uint8 else 2 ** 31 - 1, (n,), generator=g,
+                          dtype=torch.int64).to(dtype)
+    bits = R._bits(t)
+    if bits.element_size() == 4:
+        bits[:4] = torch.tensor([-2 ** 31, 2 ** 31 - 1, -2 ** 31, 2 ** 31 - 1], dtype=bits.dtype)
+    else:
+        bits[:4] = torch.tensor([-2 ** 15, 2 ** 15 - 1, -2 ** 15, 2 ** 15 - 1], dtype=bits.dtype)
+    nb = -(-bits.numel() // block)
+    for first, count in ((0, nb), (1, nb - 2), (nb - 1, 1)):
+        if count < 1:
+            continue
+        fast = compiled.fingerprint(bits[first * block:(first + count) * block], block)
+        assert fast is not None
+        assert torch.equal(fast.t(), R.fingerprint_torch(bits, block, first, count))
+    big = torch.full((257 * block,), 2 ** 31 - 1, dtype=torch.int32)   # the sums' largest terms
+    assert torch.equal(compiled.fingerprint(big, block).t(),
+                       R.fingerprint_torch(big, block, 0, 257))

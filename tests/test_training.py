@@ -1,7 +1,8 @@
 """End-to-end gate: a transformers Llama built from a config, trained plainly on real text made on
 this machine (the Python standard library's own source, as bytes), then trained on with every GEMM
-checked (``protect`` + ``checked``, attention products included) in float32, bf16 autocast and
-fp16 with GradScaler, with AdamW and gradient clipping: no alarm, every GEMM counted."""
+checked (``protect`` + ``checked``, attention products included) and every product's output and
+operand carried to its death (``OutputCheck``) in float32, bf16 autocast and fp16 with
+GradScaler, with AdamW and gradient clipping: no alarm, every GEMM counted."""
 import os
 import sysconfig
 
@@ -47,7 +48,8 @@ def train(model, data, steps, *, batch, seq, seed, mode="fp32", checked=False, l
     losses = []
     for step in range(steps):
         x = next(it)
-        with abft.scope(step=step), (abft.checked(model) if checked else _null()):
+        with abft.scope(step=step), (abft.checked(model) if checked else _null()), \
+                (abft.OutputCheck(model=model) if checked else _null()):
             with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
                 loss = model(input_ids=x, labels=x).loss
             opt.zero_grad()

@@ -2376,3 +2376,57 @@ extern "C" int abft_check(const i64* dims, const void* const* ptrs, const double
     if (outs[7] != nullptr) summarize(g, (double*)outs[7]);
     return 0;
 }
+
+// abft.rest's fingerprint of a tensor's bits: per block of `block` (at most 256) words, three exact
+// sums: the words, the words times their 1-based index k in the block, and times f(k) = k^2 mod
+// 4093 + 1 (rest.fingerprint's torch version is the oracle). Every term and partial sum is an
+// integer below 2^53 (|word| < 2^31, k <= 256, f(k) <= 4093), so float64 sums are exact in any
+// order. `words`: n contiguous 16- or 32-bit signed words (word_bytes 2 or 4); `out`: (blocks, 3)
+// int64. One read of the words; blocks spread over `threads`.
+template <typename W>
+static void fingerprint_blocks(const W* w, i64 n, i64 block, i64* out, int threads) {
+    const i64 nb = (n + block - 1) / block;
+    double kd[256], fk[256];                       // k and f(k) as doubles (no int64 -> double
+    for (i64 k = 1; k <= block; ++k) {             // conversion in the loop: AVX2 has none)
+        kd[k - 1] = (double)k;
+        fk[k - 1] = (double)(k * k % 4093 + 1);
+    }
+#pragma omp parallel for schedule(static) num_threads(threads) if (threads > 1 && n >= (1 << 16))
+    for (i64 b = 0; b < nb; ++b) {
+        const i64 lo = b * block, m = std::min(block, n - lo);
+        const W* x = w + lo;
+        double a0[8] = {0}, a1[8] = {0}, a2[8] = {0};      // eight lanes: no reduction order
+        i64 i = 0;                                          // to keep, so the loop vectorizes
+        for (; i + 8 <= m; i += 8)
+            for (int j = 0; j < 8; ++j) {
+                const double v = (double)x[i + j];
+                a0[j] += v;
+                a1[j] += v * kd[i + j];
+                a2[j] += v * fk[i + j];
+            }
+        for (; i < m; ++i) {
+            const double v = (double)x[i];
+            a0[0] += v;
+            a1[0] += v * kd[i];
+            a2[0] += v * fk[i];
+        }
+        double s0 = 0, s1 = 0, s2 = 0;
+        for (int j = 0; j < 8; ++j) {
+            s0 += a0[j];
+            s1 += a1[j];
+            s2 += a2[j];
+        }
+        out[3 * b] = (i64)s0;
+        out[3 * b + 1] = (i64)s1;
+        out[3 * b + 2] = (i64)s2;
+    }
+}
+
+extern "C" int abft_fingerprint(const void* words, i64 word_bytes, i64 n, i64 block, i64* out,
+                                i64 threads) {
+    if (block < 1 || block > 256 || n < 0) return 2;
+    if (word_bytes == 2) fingerprint_blocks((const int16_t*)words, n, block, out, (int)threads);
+    else if (word_bytes == 4) fingerprint_blocks((const int32_t*)words, n, block, out, (int)threads);
+    else return 2;
+    return 0;
+}
