@@ -500,7 +500,7 @@ def _call(fn, device_of, tensors, *rest):
 
 def _autocast_call(fn, device_of, tensors, rest):
     if carry.operands():                # an OutputCheck takes operands: these were read
-        carry.read(tensors)
+        carry.read(tensors, next((r for r in rest if isinstance(r, str)), None) or None)
     tensors, cast = _autocast(tensors[device_of].device.type, *tensors)
     if cast:
         with torch.autocast(tensors[device_of].device.type, enabled=False):

@@ -163,10 +163,11 @@ def produced(out, module, op=None):
                 produced(t, module, op)
 
 
-def read(tensors):
-    """A checked product reads ``tensors`` (called by ``abft.autograd``): the sites that made
-    them are kept taking. One a product read that was not taken (its site had looked unread) is
-    taken from then on; this one is not covered."""
+def read(tensors, module=None):
+    """The checked product of ``module`` reads ``tensors`` (called by ``abft.autograd``): an
+    alarm on one of them names its readers, and the sites that made them are kept taking. One a
+    product read that was not taken (its site had looked unread) is taken from then on; this one
+    is not covered."""
     for t in tensors:
         if type(t) is torch.Tensor:
             try:
@@ -177,8 +178,11 @@ def read(tensors):
             site = entry.get("site") if entry is not None else _passed.pop(where, None)
             if site is not None:
                 site[0] = True
-                if entry is not None:
-                    entry["read"] = True
+            if entry is not None:
+                entry["read"] = True
+                readers = entry.setdefault("readers", [])
+                if module not in readers:
+                    readers.append(module)
 
 
 def _gradient(module, op, grad):
@@ -344,7 +348,7 @@ def _report(entry, alias, changed, block):
             batch=tuple(batch), row=row, col=col, residual=float(delta), threshold=0.0,
             backend="carry", time=time.time(), kind="carry",
             action="warned" if pol == "warn" else "recorded",
-            labels={"index": index, "blocks": len(changed)}))
+            labels={"index": index, "blocks": len(changed), "read_by": entry.get("readers", [])}))
     policy.report(found, entry["log"])
 
 

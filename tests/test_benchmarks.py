@@ -159,3 +159,18 @@ def test_rowfloor_decomposes_the_row_checks_cost(tmp_path):
     assert ws[(8, False)] == 0 and ws[(4, False)] > 0, ws
     assert int(re.search(r"Gluon gl.warp_specialize, two partitions: USETMAXREG (\d+)",
                          out).group(1)) > 0
+
+
+def test_operandcost_prices_a_small_layer(capsys):
+    """The operands' paper cost on a GPU: a small Llama layer counted at 8 and 16 tokens; taking
+    operands adds fingerprints, their elements grow with the tokens, and a one-read kernel's
+    traffic is below torch's (which writes and reads a float64 copy)."""
+    pytest.importorskip("transformers")
+    import operandcost
+    assert operandcost.main(["--shapes", "64x128x4x2", "--tokens", "8"]) == 0
+    row = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| 64 x 128")][0]
+    cells = [c.strip() for c in row.strip("|").split("|")]
+    fingerprints, per_token = float(cells[1]), float(cells[2])
+    traffic_ratio = float(cells[7].split()[1].strip("()"))
+    one_read = float(cells[8])
+    assert fingerprints > 0 and per_token > 0 and 0 < one_read < traffic_ratio

@@ -169,15 +169,18 @@ def _zero_in_memory(t):
     ("out", "_Block", "UnsafeView"),      # a reshape inside the forward, seen under checked()
 ])
 def test_an_operand_changed_before_its_product_reads_it_alarms_naming_its_producer(consumer,
-                                                                                  producer, op):
+                                                                                  producer, op,
+                                                                                  backend):
     m = _block()
     h = getattr(m, consumer).register_forward_pre_hook(lambda mod, a: _zero_in_memory(a[0]),
                                                        prepend=True)
     with abft.scope(step=3), abft.checked(m), abft.OutputCheck(model=m) as chk:
         m(torch.randn(4, 6, 8)).square().sum().backward()
     h.remove()
-    found = [(a.kind, a.module, a.phase, a.op, a.row, a.col, a.step) for a in abft.flush()]
+    alarms = abft.flush()
+    found = [(a.kind, a.module, a.phase, a.op, a.row, a.col, a.step) for a in alarms]
     assert found == [("carry", producer, "forward", op, 1, 1, 3)], found
+    assert consumer in alarms[0].labels["read_by"], alarms[0].labels     # and who read it
     assert chk.taken > 0 and carry.live() == (0, 0)
 
 
@@ -207,7 +210,7 @@ def test_an_operand_that_is_a_view_of_a_product_alarms_at_that_product():
     ("out", "_Block", "grad_a"),         # the grad_a product of the matmul: recorded already
 ])
 def test_an_incoming_gradient_changed_before_the_backward_products_read_it_alarms(
-        consumer, producer, phase):
+        consumer, producer, phase, backend):
     """The gradient arriving at ``down`` is transposed in memory (the reshape's backward): the
     alarm's element is still the one changed."""
     m = _block()

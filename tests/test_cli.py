@@ -63,7 +63,7 @@ def test_bench_rotation_covers_twice_the_l2():
     assert rotation(10 << 20, 50 << 20) * (10 << 20) >= 2 * (50 << 20)
 
 
-@pytest.mark.parametrize("detector", ["rest", "recompute", "comm", "carry"])
+@pytest.mark.parametrize("detector", ["rest", "recompute", "comm", "carry", "operands"])
 def test_bench_a_detector_on_a_training_step(capsys, detector):
     plain, on = overhead.detector_step_pair(overhead.load_factory("abft.eval.models:bench_gpt"),
                                             detector)

@@ -121,3 +121,24 @@ def test_torchrun_with_a_world_that_does_not_hold_whole_tp_pairs_is_refused(tmp_
     with pytest.raises(ValueError, match=r"torchrun: 2 ranks; .* train.tp = 2 need a multiple of 4"):
         campaign.run(cfg, str(tmp_path / "x"), progress=False)
     assert not (tmp_path / "x").exists()
+
+
+OPERAND_TOML = TP_TOML.replace("steps = 3\n", "steps = 3\ncarry = true\n", 1) \
+    .replace("""sites = { gemm_accumulator = 1.0 }
+kinds = { bitflip = 1.0 }
+bits = { exponent_msb = 1.0 }
+multi_bit = 0.0""", "sites = { gemm_operand = 1.0 }\nkinds = { scale = 1.0 }\nscale = [10.0, 100.0]")
+
+
+def test_an_operand_changed_on_one_tensor_parallel_rank_is_caught_there(tmp_path):
+    """A sharded activation or incoming gradient changed in memory before its GEMM read it, on
+    the faulty rank of the group: ``OutputCheck`` (``train.carry``) alarms there, in its step."""
+    assert "gemm_operand" in OPERAND_TOML and "carry = true" in OPERAND_TOML
+    cfg = campaign.validate(campaign.parse(OPERAND_TOML))
+    recs = {r["id"]: r for r in campaign.run(cfg, str(tmp_path / "tp"), progress=False)}
+    null, op = recs["healthy/computation/0"], recs["alu/computation/0"]
+    assert null["alarms"] == [] and null["alarms_healthy"] == [] and null["mismatches"] == []
+    cs = [c for c in crosscheck.cases(op) if c["outcome"] != "masked"]
+    assert cs and all(c["outcome"] in ("detected", "alarm_no_mismatch") for c in cs), cs
+    assert {a["kind"] for a in op["alarms"]} == {"carry"}
+    assert {a["tp_rank"] for a in op["alarms"]} == {op["fault_rank"]}
