@@ -47,7 +47,7 @@ from abft.rest import fingerprint, located
 _lock = threading.RLock()      # a death (a callback) may come while a record holds it
 _checks = []            # active OutputChecks (the last one records)
 _live = {}              # id(entry) -> entry, until the output dies
-_storages = {}          # the live entries' storages (data pointers) -> id(entry)
+_storages = {}          # the live entries' storages (data pointers) -> the entry
 _waiting = {}           # gradients fingerprinted, by storage, until a backward reads them
 _sites = {}             # (module, op) that made operands -> [read by a product?, died unread]
 _passed = collections.OrderedDict()   # storages of outputs not taken, -> their site (the last few)
@@ -205,7 +205,7 @@ def consumed(grads):
             except (RuntimeError, NotImplementedError):
                 continue
             if entry is not None:
-                del _storages[entry["storage"]]
+                _storages.pop(entry["storage"], None)
                 _verify(entry)
 
 
