@@ -499,17 +499,18 @@ def _call(fn, device_of, tensors, *rest):
 
 
 def _autocast_call(fn, device_of, tensors, rest):
-    if carry.operands():                # an OutputCheck takes operands: these were read
-        carry.read(tensors, next((r for r in rest if isinstance(r, str)), None) or None)
+    carried = carry.active()            # an OutputCheck is on: the output is verified at its death
+    module = (next((r for r in rest if isinstance(r, str)), "") or None) if carried else None
+    if carried and carry.operands():    # and it takes operands: these were read
+        carry.read(tensors, module)
     tensors, cast = _autocast(tensors[device_of].device.type, *tensors)
     if cast:
         with torch.autocast(tensors[device_of].device.type, enabled=False):
             out = _dispatch(fn, tensors, *rest)
     else:
         out = _dispatch(fn, tensors, *rest)
-    if carry.active():                  # an OutputCheck is on: the output is verified at its death
-        module = next((r for r in rest if isinstance(r, str)), "")
-        carry.record(out, module or None, fn._qualified_op_name.split("::")[-1])
+    if carried:
+        carry.record(out, module, fn._qualified_op_name.split("::")[-1])
     return out
 
 

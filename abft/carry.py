@@ -42,7 +42,7 @@ import weakref
 import numpy as np
 import torch
 
-from abft.rest import fingerprint, located
+from abft.rest import fingerprint, located, memory_order
 
 _lock = threading.RLock()      # a death (a callback) may come while a record holds it
 _checks = []            # active OutputChecks (the last one records)
@@ -50,7 +50,8 @@ _live = {}              # id(entry) -> entry, until the output dies
 _storages = {}          # the live entries' storages (data pointers) -> the entry
 _waiting = {}           # gradients fingerprinted, by storage, until a backward reads them
 _sites = {}             # (module, op) that made operands -> [read by a product?, died unread]
-_passed = collections.OrderedDict()   # storages of outputs not taken, -> their site (the last few)
+_passed = collections.OrderedDict()   # storages of outputs not taken -> (their site, a weak
+                                      # reference: a dead one's memory may hold another tensor)
 LEARN = 4               # a site whose outputs died unread this often, none read, is not taken
 _operands = False       # the last OutputCheck takes operands (read by abft.checked's mode)
 _dead = []              # entries whose output died, to verify at the next safe point
@@ -152,7 +153,7 @@ def produced(out, module, op=None):
             _take(out, module, op, "forward", operand=True, site=site)
         else:                    # no product read what this site made: remember it, in case one does
             try:
-                _passed[out.untyped_storage().data_ptr()] = site
+                _passed[out.untyped_storage().data_ptr()] = (site, weakref.ref(out))
             except (RuntimeError, NotImplementedError):
                 return
             if len(_passed) > 4096:
@@ -175,7 +176,11 @@ def read(tensors, module=None):
             except (RuntimeError, NotImplementedError):
                 continue
             entry = _storages.get(where)
-            site = entry.get("site") if entry is not None else _passed.pop(where, None)
+            if entry is not None:
+                site = entry.get("site")
+            else:                         # passed over, if that output is still alive
+                site, ref = _passed.pop(where, (None, None))
+                site = site if ref is not None and ref() is not None else None
             if site is not None:
                 site[0] = True
             if entry is not None:
@@ -369,6 +374,7 @@ def _forget():
         _live.clear()
         _storages.clear()
         _waiting.clear()
+        _passed.clear()
 
 
 atexit.register(_forget)
@@ -379,8 +385,7 @@ def _unravel(t, i):
     tensor in that order, a transposed one too)."""
     if not t.dim():
         return []
-    order = sorted(range(t.dim()), key=lambda d: -t.stride(d)) if not t.is_contiguous() \
-        else list(range(t.dim()))
+    order = memory_order(t)
     at = np.unravel_index(i, tuple(t.shape[d] for d in order))
     idx = [0] * t.dim()
     for d, v in zip(order, at):

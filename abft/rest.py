@@ -37,13 +37,20 @@ def _local(t):
     return t.to_local() if type(t).__name__ == "DTensor" else t
 
 
+def memory_order(t):
+    """``t``'s dimensions, outermost first in memory (a dense tensor in another order, transposed
+    or channels_last, is read in this order: ``_bits``)."""
+    if t.is_contiguous():
+        return list(range(t.dim()))
+    return sorted(range(t.dim()), key=lambda d: -t.stride(d))
+
+
 def _bits(t):
     """``t``'s bits as a flat view of signed 16- or 32-bit integers (64-bit elements as two
     32-bit words; no copy)."""
     t = _local(t).detach()
     if not t.is_contiguous():            # dense in another order (channels_last): its memory
-        order = sorted(range(t.dim()), key=lambda d: -t.stride(d))
-        t = t.permute(order)
+        t = t.permute(memory_order(t))
         if not t.is_contiguous():
             raise ValueError("abft.RestCheck: a tensor with gaps or overlaps in memory cannot "
                              "be fingerprinted in place")
