@@ -83,7 +83,7 @@ _rule(grad_product, _gp_backward, _gp_setup)
 
 
 def _g(kind, a, b, op, phase, module):
-    out = _dispatch(torch.ops.abft.grad_product, (a, b), kind, op, phase, module)
+    out = _dispatch(torch.ops.abft.grad_product, (a, b), (kind, op, phase, module), _plain_eager((a, b)))
     if carry.active():                  # an OutputCheck is on: verified at its death
         carry.record(out, module or None, op, phase)
     return out
@@ -178,7 +178,8 @@ def _linear_backward(ctx, grad):
     gx = gw = gb = None
     if ctx.needs_input_grad[0]:
         if ctx.wkey and not dtensor.any_dtensor(grad, w):
-            gx = _dispatch(torch.ops.abft.grad_input_kept, (grad, w), ctx.module, ctx.wkey)
+            gx = _dispatch(torch.ops.abft.grad_input_kept, (grad, w), (ctx.module, ctx.wkey),
+                           _plain_eager((grad, w)))
             if carry.active():
                 carry.record(gx, ctx.module or None, "linear", "grad_input")
         else:
@@ -449,31 +450,42 @@ def _plain(op, module, fn, *args, **kwargs):
     return fn(*args, **kwargs)
 
 
-def _eager(tensors):
+def _eager(tensors, plain):
     """How a call can skip torch's dispatcher, which then only adds its cost (tens of µs a call,
     more with autograd): "direct" (the custom op's own function: eager, no gradient to record),
     "function" (eager with a gradient to record: the op's own function under a plain
     ``autograd.Function`` with the op's autograd rule), or None (the custom op). Only plain
-    dense tensors and parameters skip it: torch.compile, DTensor, fake and meta tensors, and
-    dispatch modes that count ops (selective checkpointing too) get the custom op."""
-    if torch.compiler.is_compiling() or torch._C._len_torch_dispatch_stack():
+    dense tensors and parameters in eager (``plain``: ``_plain_eager``) skip it: torch.compile,
+    DTensor, fake and meta tensors, and dispatch modes that count ops (selective checkpointing
+    too) get the custom op."""
+    if not plain or torch._C._len_torch_dispatch_stack():
         return None
     grad = torch.is_grad_enabled()
     record = False
     for t in tensors:
         if t is None:
             continue
-        if type(t) not in backends.PLAIN or t.is_meta:
+        if t.is_meta:
             return None
         record = record or grad and t.requires_grad
     return "function" if record else "direct"
 
 
-def _dispatch(fn, tensors, *rest):
+def _plain_eager(tensors):
+    """Whether every tensor is a plain tensor or parameter (None aside), outside torch.compile."""
+    if torch.compiler.is_compiling():
+        return False
+    for t in tensors:
+        if t is not None and type(t) not in backends.PLAIN:
+            return False
+    return True
+
+
+def _dispatch(fn, tensors, rest, plain):
     """``fn(*tensors, *rest)``: the custom op ``fn``, or its own function (with its autograd rule)
     where ``_eager`` allows."""
     impl = _IMPLS.get(fn)
-    how = None if impl is None else _eager(tensors)
+    how = None if impl is None else _eager(tensors, plain)
     if how == "direct":
         return impl(*tensors, *rest)
     if how == "function":
@@ -491,14 +503,13 @@ def _call(fn, device_of, tensors, *rest):
     (``abft.checked``) would otherwise see every attribute read on the way as a call of its own
     (microseconds each); the op's own function runs with it off anyway."""
     dtensor.ensure()
-    if not torch.compiler.is_compiling() and \
-            all(t is None or type(t) in backends.PLAIN for t in tensors):
+    if _plain_eager(tensors):
         with torch._C.DisableTorchFunction():
-            return _autocast_call(fn, device_of, tensors, rest)
-    return _autocast_call(fn, device_of, tensors, rest)
+            return _autocast_call(fn, device_of, tensors, rest, True)
+    return _autocast_call(fn, device_of, tensors, rest, False)
 
 
-def _autocast_call(fn, device_of, tensors, rest):
+def _autocast_call(fn, device_of, tensors, rest, plain):
     carried = carry.active()            # an OutputCheck is on: the output is verified at its death
     module = (next((r for r in rest if isinstance(r, str)), "") or None) if carried else None
     if carried and carry.operands():    # and it takes operands: these were read
@@ -506,9 +517,9 @@ def _autocast_call(fn, device_of, tensors, rest):
     tensors, cast = _autocast(tensors[device_of].device.type, *tensors)
     if cast:
         with torch.autocast(tensors[device_of].device.type, enabled=False):
-            out = _dispatch(fn, tensors, *rest)
+            out = _dispatch(fn, tensors, rest, plain)
     else:
-        out = _dispatch(fn, tensors, *rest)
+        out = _dispatch(fn, tensors, rest, plain)
     if carried:
         carry.record(out, module, fn._qualified_op_name.split("::")[-1])
     return out

@@ -42,7 +42,7 @@ def as_bits(t):
     return t.view(_INT_VIEW[t.dtype]) if t.dtype in _INT_VIEW else t
 
 
-@dataclass
+@dataclass(slots=True)
 class CallContext:
     op: str
     phase: str

@@ -40,7 +40,7 @@ _sites = {}
 _sites_lock = threading.Lock()
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Problem:
     """One product in canonical form: c (..., M, N) = alpha * a (..., M, K) @ b (..., K, N)
     + beta * addend, and how to give the op's result and to compute it again.
@@ -80,12 +80,24 @@ class Problem:
 
 
 def _info(pb, ctx, bm, bn, backend):
-    """The alarm metadata of one checked call."""
-    return dict(op=pb.op, phase=ctx.phase, labels=ctx.labels, call_id=ctx.call_id,
-                rank=context.current_rank(), shapes=(tuple(pb.a.shape), tuple(pb.b.shape)),
-                dtype=_DTYPE_NAMES.get(pb.dtype) or str(pb.dtype).replace("torch.", ""), bm=bm, bn=bn,
-                backend=backend, time=policy.now(), flat_rows=pb.flat_rows, flat_batch=pb.flat_batch,
-                action="recorded")
+    """The alarm metadata of one checked call, as a function that builds it (``policy.Pending``
+    calls it on first read; a clean call's never is). It holds values, not pb or ctx: a queued
+    verdict must not keep the operands alive."""
+    op, phase, labels, call_id, now = pb.op, ctx.phase, ctx.labels, ctx.call_id, policy.now()
+    shapes, dtype, flat_rows, flat_batch = (pb.a.shape, pb.b.shape), pb.dtype, pb.flat_rows, pb.flat_batch
+
+    def describe():
+        return dict(op=op, phase=phase, labels=labels, call_id=call_id, rank=context.current_rank(),
+                    shapes=tuple(tuple(x) for x in shapes),
+                    dtype=_DTYPE_NAMES.get(dtype) or str(dtype).replace("torch.", ""), bm=bm, bn=bn,
+                    backend=backend, time=now, flat_rows=flat_rows, flat_batch=flat_batch, action="recorded")
+    return describe
+
+
+def _pending(pb, ctx, bm, bn, backend, verdict, detail, summary=None):
+    """The pending verdict of one checked call."""
+    return policy.make_pending(verdict, detail, _info(pb, ctx, bm, bn, backend), context.current().log,
+                               summary, key=(pb.op, ctx.labels.get("module")), phase=ctx.phase, tiles=(bm, bn))
 
 
 _DTYPE_NAMES = {dt: str(dt).replace("torch.", "") for dt in SUPPORTED}
@@ -111,8 +123,7 @@ def _check(pb, ctx, s):
     verdict, detail, summary = reference.check(
         pb.a, pb.b, pb.c, bm=bm, bn=bn, units=reference.units_for(pb.c), alpha=pb.alpha, addend=pb.addend,
         beta=pb.beta, lam=s.lam, b_stats=None if pb.b_stats is None else pb.b_stats(bn), summary=True)
-    return policy.make_pending(verdict, detail, _info(pb, ctx, bm, bn, "reference"),
-                               context.current().log, summary)
+    return _pending(pb, ctx, bm, bn, "reference", verdict, detail, summary)
 
 
 def _verify_triton(pb, ctx, s):
@@ -126,8 +137,7 @@ def _verify_triton(pb, ctx, s):
     pb.c, verdict, detail = triton_gemm.checked_gemm(
         pb.a, pb.b, addend=pb.addend, alpha=pb.alpha, beta=pb.beta, tiles=tiles, inject=inject,
         lam=s.lam, b_stats=pb.b_stats)
-    return policy.make_pending(verdict, detail, _info(pb, ctx, bm, bn, "triton"),
-                               context.current().log)
+    return _pending(pb, ctx, bm, bn, "triton", verdict, detail)
 
 
 VERIFY = {"reference": _verify_reference, "triton": _verify_triton}
@@ -200,7 +210,10 @@ def run_checked(pb, *, phase="forward", module=None):
     ctx = faults.CallContext(pb.op, phase, labels, call_id, pb.shape, pb.dtype,
                              operands=(pb.a, pb.b), batch_shape=pb.flat_batch)
     pend = verify(pb, ctx, s)
-    ctx.verdict, ctx.tiles = pend.verdict, (pend.info["bm"], pend.info["bn"])
+    ctx.verdict, ctx.tiles = pend.verdict, pend.tiles
+    if s.policy in ("record", "warn"):       # queued or counted: nothing to repair or redo now
+        policy.act(pend, s.policy, sc.log, correct=None, again=None)
+        return pb.result()
 
     def correct(alarms):
         with torch.no_grad():
@@ -296,6 +309,10 @@ def matmul(a, b, *, op="matmul", phase="forward", module=None, a_rg=False, b_rg=
     if route == "off":
         return torch.matmul(a, b)
     _require_float(op, a, b)
+    if a.dim() == 2 and b.dim() == 2:         # mm, the common case: no decomposition to plan
+        pb = _kernel(op, a, b, b_stats=b_stats) if route == "triton" else \
+            _computed(op, a, b, lambda: a.mm(b), b_stats=b_stats)
+        return run_checked(pb, phase=phase, module=module)
     plan = decompose.Plan(a, b, a_rg, b_rg)
     if plan.kind == "bmm" and plan.squeeze:
         if plan.squeeze == "a":

@@ -1,6 +1,7 @@
 """What happens to a verdict: record | warn | raise | recompute | correct.
 
-Verdicts of ``record`` and ``warn`` calls are queued on their device and resolved lazily: by
+Verdicts of ``record`` and ``warn`` calls are queued on their device and resolved lazily (a clean
+one whose summary is on the host already, the reference check's, is counted at once): by
 ``abft.flush()``, ``abft.alarms()``, ``abft.stats()``, the end of an ``abft.config`` block, or when
 the queue holds ``max_pending`` calls or ``max_pending_bytes`` (so memory stays flat in long runs).
 Resolving moves one small tensor per queued call to the host in a single transfer, and the full
@@ -10,7 +11,6 @@ import collections
 import threading
 import time
 import warnings
-from dataclasses import dataclass
 
 import numpy as np
 import torch
@@ -21,14 +21,29 @@ from abft.alarms import Alarm, SilentCorruptionError, default_log
 from abft.kernels import layout as L
 
 
-@dataclass
 class Pending:
-    verdict: torch.Tensor
-    detail: tuple
-    summary: torch.Tensor     # [alarmed tiles, unverified tiles, tiles, worst ratio] on the device
-    info: dict
-    log: object
-    nbytes: int
+    """One checked call's verdict, queued (record, warn) or resolved at once. ``info``: its alarm
+    metadata (a dict), built on first read by ``describe`` (a clean call's never is); ``key``
+    (op, module) and ``phase`` are what counting a clean call needs."""
+    __slots__ = ("verdict", "detail", "summary", "log", "key", "phase", "tiles", "_describe", "_info")
+
+    def __init__(self, verdict, detail, summary, describe, log, key, phase, tiles):
+        self.verdict, self.detail, self.log = verdict, detail, log
+        self.summary = summary    # [alarmed tiles, unverified tiles, tiles, worst ratio]: a tuple
+        #                           on the host, else a tensor on the verdict's device
+        self.key, self.phase, self.tiles = key, phase, tiles
+        self._describe, self._info = describe, None
+
+    @property
+    def nbytes(self):
+        """The memory the verdict holds while queued."""
+        return self.verdict.numel() * 4 + sum(d.numel() * d.element_size() for d in self.detail)
+
+    @property
+    def info(self):
+        if self._info is None:
+            self._info, self._describe = self._describe(), None
+        return self._info
 
 
 _lock = threading.RLock()
@@ -53,26 +68,26 @@ def summarize(verdict):
     return L.summary(verdict)
 
 
-def make_pending(verdict, detail, info, log, summary=None):
-    """A queued verdict; ``summary``: ``summarize(verdict)`` where the check gave it already."""
-    nbytes = verdict.numel() * 4 + sum(d.numel() * d.element_size() for d in detail)
-    return Pending(verdict, detail, summarize(verdict) if summary is None else summary, info, log, nbytes)
+def make_pending(verdict, detail, describe, log, summary=None, *, key, phase, tiles):
+    """A checked call's verdict (``describe() -> info``, ``key`` (op, module), ``phase``, ``tiles``
+    (bm, bn): ``Pending``'s); ``summary``: ``summarize(verdict)`` where the check gave it already."""
+    return Pending(verdict, detail, summarize(verdict) if summary is None else summary, describe, log,
+                   key, phase, tiles)
 
 
-def _count(summary, info):
+def _count(summary, p):
     alarmed, unverified, tiles, worst = summary        # floats (layout.summary, tolist())
     _stats["checked_calls"] += 1
     _stats["tiles"] += int(tiles)
     if unverified:
         _stats["unverified_calls"] += 1
         _stats["unverified_tiles"] += int(unverified)
-        coverage.count(info["op"], info["labels"].get("module"), "unverified")
+        coverage.count(*p.key, "unverified")
     if not alarmed:
-        key = (info["op"], info["labels"].get("module"))
         with _lock:
-            m = _margins.setdefault(key, [0.0, None, 0])
+            m = _margins.setdefault(p.key, [0.0, None, 0])
             if worst >= m[0]:
-                m[0], m[1] = worst, info["phase"]
+                m[0], m[1] = worst, p.phase
             m[2] += 1
     return alarmed > 0
 
@@ -205,7 +220,7 @@ def flush():
     new = reported
     error = None
     for p, summary in zip(items, summaries):
-        if _count(summary, p.info):
+        if _count(summary, p):
             alarms = alarms_of(p, p.info["action"])
             new.extend(alarms)
             try:
@@ -221,7 +236,7 @@ def flush():
 
 def resolve_now(p):
     """Resolve one check at once (raise, recompute, correct); returns its alarms."""
-    if _count(p.summary if isinstance(p.summary, tuple) else p.summary.tolist(), p.info):
+    if _count(p.summary if isinstance(p.summary, tuple) else p.summary.tolist(), p):
         return alarms_of(p, None)
     return []
 
@@ -237,6 +252,9 @@ def act(p, policy, log, *, correct, again):
     (persistent). ``again`` None: nothing to recompute from, the alarm is raised.
     Returns None, or the fresh computation whose result the caller returns."""
     if policy in ("record", "warn"):
+        if type(p.summary) is tuple and not p.summary[0]:
+            _count(p.summary, p)    # clean, known on the host: nothing to resolve later
+            return None
         p.info["action"] = "recorded" if policy == "record" else "warned"
         enqueue(p)
         return None

@@ -174,17 +174,52 @@ def test_queue_is_bounded():
     a, b = _pair(8, 8, 8)
     with abft.config(max_pending=4):
         for i in range(10):
-            abft.matmul(a, b)
+            with abft.inject(row=1, col=2, kind="add", value=9.0):     # alarmed: queued
+                abft.matmul(a, b)
             assert policy.pending() < 4
-    assert abft.stats()["checked_calls"] == 10
+    assert abft.stats()["checked_calls"] == 10 and len(abft.flush()) == 10
 
 
 @pytest.mark.usefixtures("backend")
 def test_queue_bounded_by_bytes():
     a, b = _pair(64, 8, 64)
     with abft.config(max_pending_bytes=1):
-        abft.matmul(a, b)
+        with abft.inject(row=1, col=2, kind="add", value=9.0):
+            abft.matmul(a, b)
         assert policy.pending() == 0
+    assert len(abft.flush()) == 1
+
+
+@pytest.mark.usefixtures("backend")
+def test_a_clean_verdict_on_the_host_is_counted_at_once():
+    """A CPU product's clean verdict is known when its check returns: counted then (the margins
+    too), never queued; an alarmed one still waits for the flush."""
+    a, b = _pair()
+    abft.matmul(a, b)
+    assert policy.pending() == 0 and policy._stats["checked_calls"] == 1
+    (row,) = policy.margins()
+    assert row["op"] == "matmul" and row["calls"] == 1 and 0 <= row["worst"] <= 1
+    with abft.inject(row=1, col=2, kind="add", value=9.0):
+        abft.matmul(a, b)
+    assert policy.pending() == 1 and policy._stats["checked_calls"] == 1
+    (al,) = abft.flush()
+    assert (al.row, al.col, al.op, al.shapes) == (1, 2, "matmul", ((64, 32), (32, 48)))
+
+
+def test_a_queued_verdict_keeps_no_operand_alive():
+    """The alarm metadata is built when it is read, from values: a queued verdict holds neither
+    the operands nor the product (a detector verifying outputs at their death sees them die)."""
+    import gc
+    import weakref
+    a, b = _pair()
+    with abft.inject(row=1, col=2, kind="add", value=9.0):
+        c = abft.matmul(a, b)
+    refs = [weakref.ref(t) for t in (a, b, c)]
+    del a, b, c
+    gc.collect()
+    assert policy.pending() == 1 and all(r() is None for r in refs)
+    (al,) = abft.flush()
+    assert al.shapes == ((64, 32), (32, 48)) and al.rank == 0 and al.time > 0
 
 
 def test_jsonl_sink_and_callback(tmp_path):
