@@ -295,6 +295,8 @@ def _read(entry):
 def drain():
     """Verify every output that died since the last drain (not reentrant); first, a Ctrl-C that
     arrived inside an output's death callback."""
+    if not _dead and not _interrupted.is_set():      # (a flush's common case: nothing died)
+        return
     if _interrupted.is_set():
         _interrupted.clear()
         raise KeyboardInterrupt

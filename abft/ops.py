@@ -95,9 +95,12 @@ def _info(pb, ctx, bm, bn, backend):
 
 
 def _pending(pb, ctx, bm, bn, backend, verdict, detail, summary=None):
-    """The pending verdict of one checked call."""
-    return policy.make_pending(verdict, detail, _info(pb, ctx, bm, bn, backend), context.current().log,
-                               summary, key=(pb.op, ctx.labels.get("module")), phase=ctx.phase, tiles=(bm, bn))
+    """The pending verdict of one checked call (a clean one known on the host needs no alarm
+    metadata: ``policy.Pending``)."""
+    clean = type(summary) is tuple and not summary[0]
+    return policy.make_pending(verdict, detail, None if clean else _info(pb, ctx, bm, bn, backend),
+                               context.current().log, summary, key=(pb.op, ctx.labels.get("module")),
+                               phase=ctx.phase, tiles=(bm, bn))
 
 
 _DTYPE_NAMES = {dt: str(dt).replace("torch.", "") for dt in SUPPORTED}

@@ -23,8 +23,9 @@ from abft.kernels import layout as L
 
 class Pending:
     """One checked call's verdict, queued (record, warn) or resolved at once. ``info``: its alarm
-    metadata (a dict), built on first read by ``describe`` (a clean call's never is); ``key``
-    (op, module) and ``phase`` are what counting a clean call needs."""
+    metadata (a dict), built on first read by ``describe`` (None for a verdict whose summary is on
+    the host and clean: nothing reads it); ``key`` (op, module) and ``phase`` are what counting a
+    clean call needs."""
     __slots__ = ("verdict", "detail", "summary", "log", "key", "phase", "tiles", "_describe", "_info")
 
     def __init__(self, verdict, detail, summary, describe, log, key, phase, tiles):
@@ -41,6 +42,8 @@ class Pending:
 
     @property
     def info(self):
+        if self._info is None and self._describe is None:
+            raise RuntimeError("a clean verdict has no alarm metadata")
         if self._info is None:
             self._info, self._describe = self._describe(), None
         return self._info
@@ -199,6 +202,8 @@ def flush():
     global _queue_bytes
     for fn in list(_before_flush):
         fn()
+    if not _queue and not _reported:        # (nothing queued: a CPU run's common case)
+        return []
     with _lock:
         items = list(_queue)
         _queue.clear()

@@ -137,21 +137,20 @@ _ZERO = torch.zeros(1, dtype=torch.int64)
 _FOUR = (0.0, 0.0, 0.0, 0.0)
 _FOUR_NULL = (0, 0, 0, 0)
 _STRIDED = torch.strided
+_PLAIN = backends.PLAIN
 
 
 def usable(a, b, c, addend):
     """Whether the compiled check can take this product: plain strided CPU tensors of one
     supported dtype, nothing empty, outside torch.compile's tracing."""
-    if torch.compiler.is_compiling() or not enabled():
-        return False
     if not (a.dtype == b.dtype == c.dtype and c.dtype in DTYPES) or addend is not None and not addend.is_floating_point():
         return False
     for t in (a, b, c) if addend is None else (a, b, c, addend):
-        if type(t) not in backends.PLAIN or not t.is_cpu or t.layout is not _STRIDED or t.is_neg():
+        if type(t) not in _PLAIN or not t.is_cpu or t.layout is not _STRIDED or t.is_neg():
             return False
     if c.numel() == 0 or a.shape[-1] == 0 or a.dim() < 2 or b.dim() < 2:
         return False
-    return library() is not None
+    return not torch.compiler.is_compiling() and enabled() and library() is not None
 
 
 def _offsets(x, batch):
@@ -337,10 +336,8 @@ def check(a, b, c, *, bm, bn, units, acc, chk, alpha, addend, beta, lam, return_
         sums = _FOUR_NULL
     kept, kept_ptrs = _kept_pointers(b_stats, cap)
     # the arguments as flat arrays (array.array builds them several times faster than ctypes)
-    ptrs = array.array("Q", prefix)
-    ptrs.extend((a.data_ptr(), b.data_ptr(), c.data_ptr(), 0 if d is None else d.data_ptr()))
-    ptrs.extend(kept_ptrs)
-    ptrs.extend(coef_ptrs)
+    ptrs = array.array("Q", (*prefix, a.data_ptr(), b.data_ptr(), c.data_ptr(), 0 if d is None else d.data_ptr(),
+                             *kept_ptrs, *coef_ptrs))
     summ = array.array("d", _FOUR) if summary else None
     outs = array.array("Q", (verdict.data_ptr(), det_r.data_ptr(), det_c.data_ptr(), *sums,
                              0 if summ is None else summ.buffer_info()[0]))
