@@ -142,7 +142,10 @@ _PLAIN = backends.PLAIN
 
 def usable(a, b, c, addend):
     """Whether the compiled check can take this product: plain strided CPU tensors of one
-    supported dtype, nothing empty, outside torch.compile's tracing."""
+    supported dtype, nothing empty, outside torch.compile's tracing (asked first: dynamo cannot
+    trace ``is_neg``)."""
+    if torch.compiler.is_compiling():
+        return False
     if not (a.dtype == b.dtype == c.dtype and c.dtype in DTYPES) or addend is not None and not addend.is_floating_point():
         return False
     for t in (a, b, c) if addend is None else (a, b, c, addend):
@@ -150,7 +153,7 @@ def usable(a, b, c, addend):
             return False
     if c.numel() == 0 or a.shape[-1] == 0 or a.dim() < 2 or b.dim() < 2:
         return False
-    return not torch.compiler.is_compiling() and enabled() and library() is not None
+    return enabled() and library() is not None
 
 
 def _offsets(x, batch):

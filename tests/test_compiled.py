@@ -771,3 +771,12 @@ def test_an_element_corrupted_past_the_scaled_range_of_a_float64_product_near_th
         assert L.alarmed(verdict).nonzero().tolist() == [[1, 0]], check.__name__
         assert det_r[32, 0] > 1 and det_c[1, 21] > 1, check.__name__          # located
         assert not L.alarmed(check(a, b, clean, **kw)[0]).any(), check.__name__
+
+
+def test_asking_whether_the_compiled_check_is_usable_traces_under_torch_compile():
+    """Inside torch.compile the compiled check stands aside, and the question must not break a
+    fullgraph trace (dynamo cannot trace ``Tensor.is_neg``: asked before ``is_compiling`` it broke
+    the compile of the torch check, ``test_fixedcost_compiles_the_check_to_the_same_verdicts``)."""
+    a = torch.randn(8, 8)
+    f = torch.compile(lambda x: x * 2 if compiled.usable(x, x, x, None) else x + 1, fullgraph=True)
+    assert torch.equal(f(a), a + 1)
