@@ -97,7 +97,7 @@ def _info(pb, ctx, bm, bn, backend):
 def _pending(pb, ctx, bm, bn, backend, verdict, detail, summary=None):
     """The pending verdict of one checked call (a clean one known on the host needs no alarm
     metadata: ``policy.Pending``)."""
-    clean = type(summary) is tuple and not summary[0]
+    clean = policy.clean_on_host(summary)
     return policy.make_pending(verdict, detail, None if clean else _info(pb, ctx, bm, bn, backend),
                                context.current().log, summary, key=(pb.op, ctx.labels.get("module")),
                                phase=ctx.phase, tiles=(bm, bn))
@@ -313,17 +313,16 @@ def matmul(a, b, *, op="matmul", phase="forward", module=None, a_rg=False, b_rg=
         return torch.matmul(a, b)
     _require_float(op, a, b)
     if a.dim() == 2 and b.dim() == 2:         # mm, the common case: no decomposition to plan
-        pb = _kernel(op, a, b, b_stats=b_stats) if route == "triton" else \
-            _computed(op, a, b, lambda: a.mm(b), b_stats=b_stats)
-        return run_checked(pb, phase=phase, module=module)
-    plan = decompose.Plan(a, b, a_rg, b_rg)
-    if plan.kind == "bmm" and plan.squeeze:
-        if plan.squeeze == "a":
-            return matmul(a.squeeze(0), b, op=op, phase=phase, module=module, a_rg=a_rg, b_rg=b_rg)
-        return matmul(a, b.squeeze(0), op=op, phase=phase, module=module, a_rg=a_rg, b_rg=b_rg)
-    x, y, flat, fin, compute, batch = _canonical(plan, a, b)
+        kind, (x, y, flat, fin, compute, batch) = "mm", (a, b, None, None, lambda: a.mm(b), None)
+    else:
+        plan = decompose.Plan(a, b, a_rg, b_rg)
+        if plan.kind == "bmm" and plan.squeeze:
+            if plan.squeeze == "a":
+                return matmul(a.squeeze(0), b, op=op, phase=phase, module=module, a_rg=a_rg, b_rg=b_rg)
+            return matmul(a, b.squeeze(0), op=op, phase=phase, module=module, a_rg=a_rg, b_rg=b_rg)
+        kind, (x, y, flat, fin, compute, batch) = plan.kind, _canonical(plan, a, b)
     kw = dict(flat_rows=flat, finish=fin, b_stats=_kept(y, b, b_stats))
-    if plan.kind == "bmm":
+    if kind == "bmm":
         kw["flat_batch"] = batch if len(batch) != 1 else None
     pb = _kernel(op, x, y, **kw) if route == "triton" else _computed(op, x, y, compute, **kw)
     return run_checked(pb, phase=phase, module=module)
@@ -332,15 +331,16 @@ def matmul(a, b, *, op="matmul", phase="forward", module=None, a_rg=False, b_rg=
 def _kept(y, b, b_stats):
     """``b_stats`` (kept statistics of ``b``) when the product's right operand ``y`` is ``b`` as
     given (not a transposed or batched form of it), else None."""
-    same = y.dim() == 2 and y.shape == b.shape and y.stride() == b.stride() and \
+    same = y is b or y.dim() == 2 and y.shape == b.shape and y.stride() == b.stride() and \
         y.data_ptr() == b.data_ptr()
     return b_stats if same else None
 
 
 def _canonical(plan, a, b):
-    """One matmul as a canonical product c (..., M, N) = x @ y: (x, y, flat_rows, finish(c) ->
-    torch.matmul's result, compute() -> c by the torch op torch.matmul itself calls, the batch
-    shape a bmm folds (None for the other kinds))."""
+    """One matmul other than mm (``matmul`` takes that before planning) as a canonical product
+    c (..., M, N) = x @ y: (x, y, flat_rows, finish(c) -> torch.matmul's result, compute() -> c
+    by the torch op torch.matmul itself calls, the batch shape a bmm folds (None for the other
+    kinds))."""
     k, flat = plan.kind, None
     if k == "dot":
         return (a.unsqueeze(0), b.unsqueeze(-1), None, lambda c: c.view(()),
@@ -350,8 +350,6 @@ def _canonical(plan, a, b):
     if k == "mm1":
         x = a.unsqueeze(0)
         return x, b, None, lambda c: c.squeeze(0), lambda: x.mm(b), None
-    if k == "mm":
-        return a, b, None, lambda c: c, lambda: a.mm(b), None
     if k == "fold":
         x, t2, shape = decompose.fold_operands(plan, a, b)
         flat = None if plan.transpose else tuple(shape[:-1] if t2.dim() == 2 else shape)

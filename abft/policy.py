@@ -71,6 +71,12 @@ def summarize(verdict):
     return L.summary(verdict)
 
 
+def clean_on_host(summary):
+    """Whether a verdict's summary is on the host already and shows no alarmed tile (the reference
+    check's, which passes): counted at once, its alarm metadata never needed."""
+    return type(summary) is tuple and not summary[0]
+
+
 def make_pending(verdict, detail, describe, log, summary=None, *, key, phase, tiles):
     """A checked call's verdict (``describe() -> info``, ``key`` (op, module), ``phase``, ``tiles``
     (bm, bn): ``Pending``'s); ``summary``: ``summarize(verdict)`` where the check gave it already."""
@@ -257,8 +263,8 @@ def act(p, policy, log, *, correct, again):
     (persistent). ``again`` None: nothing to recompute from, the alarm is raised.
     Returns None, or the fresh computation whose result the caller returns."""
     if policy in ("record", "warn"):
-        if type(p.summary) is tuple and not p.summary[0]:
-            _count(p.summary, p)    # clean, known on the host: nothing to resolve later
+        if clean_on_host(p.summary):
+            _count(p.summary, p)    # nothing to resolve later
             return None
         p.info["action"] = "recorded" if policy == "record" else "warned"
         enqueue(p)

@@ -2,6 +2,8 @@
 the cross-check, campaigns (resume, bad configs), the report and the distributed pairing."""
 import json
 import os
+import pathlib
+import tomllib
 
 import pytest
 import torch
@@ -195,13 +197,12 @@ def test_distributed_pair_with_gloo_matches_the_local_run(tmp_path):
     assert s["per_site"]["gemm_accumulator"]["rate"] == 1.0
 
 
-@pytest.mark.parametrize("name", sorted(p.name for p in
-                                        (__import__("pathlib").Path(__file__).parents[1] / "experiments").glob("*.toml")))
+EXPERIMENTS = pathlib.Path(__file__).parents[1] / "experiments"
+
+
+@pytest.mark.parametrize("name", sorted(p.name for p in EXPERIMENTS.glob("*.toml")))
 def test_every_experiment_config_in_the_repository_validates(name):
     """The campaigns EXPERIMENTS.md and BENCHMARKS.md cite run as written (a typo in a key or a
     site would otherwise surface only when someone runs them)."""
-    import pathlib
-    import tomllib
-    path = pathlib.Path(__file__).parents[1] / "experiments" / name
-    cfg = campaign.validate(tomllib.loads(path.read_text()))
+    cfg = campaign.validate(tomllib.loads((EXPERIMENTS / name).read_text()))
     assert cfg["profiles"] and cfg["train"]["steps"] >= 1
