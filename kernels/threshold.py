@@ -28,9 +28,12 @@ collects the round-off of
    below the normal range even where the data's products do not).
 
 6. addmm's alpha and beta, rounded to the GEMM's arithmetic and multiplied in it (two roundings of
-   one sign on the scaled term: per |pred| and per sum |addend|), an operand scaled by alpha
-   below the normal range (absolute, like a flushed input), and the products' underflow times
-   |alpha| (rounded up to a power of two) where alpha multiplies the rounded sum.
+   one sign on the scaled term: per |pred| and per sum |addend|); an operand scaled by alpha
+   element by element (torch's CPU GEMM), each element rounding on its own: one more rounding per
+   product across a sum, and in a sum over the other operand's block an error the same for all its
+   elements (variance u^2/3 Qs), and below the normal range absolutely (like a flushed input);
+   and the products' underflow times |alpha| (rounded up to a power of two) where alpha
+   multiplies the rounded sum.
 
 Rows that repeat exactly have identical errors, and so, at each k, do rows of a few-valued block
 whose values there are equal (their running sums lie in one binade): the product's variance and
@@ -230,6 +233,11 @@ def coefficients(u, *, k, bs, acc, chk=None, lam=None, addend=False, alpha=1.0, 
     if alpha not in (0, 1) and u.eta_in and not (_pow2(alpha) and abs(alpha) >= 1):
         ftz = max(ftz, u.eta_in / min(1.0, abs(alpha)))
     by_alpha = 2 * u.acc if alpha != 0 and not _pow2(alpha) else 0.0
+    # the operand scaled by alpha rounds element by element: in a sum over the other operand's
+    # block (a column sum where B was scaled) each error is the same for every element summed and
+    # they add as sum_k s_k alpha y_kj delta_kj (variance u^2/3 Qs), across it (a row sum there) as
+    # one more rounding per product (u^2/3 Q); which operand torch scales is its choice: both
+    by_scale = ua2 / 3 if by_alpha else 0.0
     # alpha multiplies the accumulated sum, its products' underflow too: by |alpha| rounded up to
     # a power of two (the kernels take eta_acc as one)
     eta_acc = u.eta_acc
@@ -240,10 +248,10 @@ def coefficients(u, *, k, bs, acc, chk=None, lam=None, addend=False, alpha=1.0, 
     return Coefficients(
         lam=LAMBDA if lam is None else float(lam), k=float(k), bs=float(bs),
         p_s2=ua2 * (n / 9 + m * m / (9 * kk)),
-        p_q=ua2 * (n / 6 + 5 * m / 18) + (2.0 / 3.0) * u.tf ** 2,
+        p_q=ua2 * (n / 6 + 5 * m / 18) + (2.0 / 3.0) * u.tf ** 2 + by_scale,
         p_d2=ua2 * kk / 3,
         c_p2=uc2 * (nc / 9 + mc * mc / (9 * kk)),
-        c_qs=uc2 * (nc / 6 + 5 * mc / 18),
+        c_qs=uc2 * (nc / 6 + 5 * mc / 18) + by_scale,
         c_s12=uc2 * bs / 9, c_s2=uc2 * bs / 6, c_q=uc2 * bs / 6,
         bias=2 * math.sqrt(n + m - 1) * u.acc + 2 * math.sqrt(nc + mc - 1) * u.chk + 2 * u.tf + by_alpha,
         lowent=(n + m) / 2 * u.acc + (nc + mc) / 2 * u.chk + bs * u.chk,
