@@ -485,16 +485,7 @@ def test_the_structured_fuzz_s_addmm_scaled_by_alpha_does_not_alarm():
     253 x 4 x 182, all-positive A, heavy-tailed B, alpha 3.3, beta -0.5; made on one thread, as
     the fuzz made it): 1.45 in both checks before."""
     from fuzzcheck import draw
-    from abft.kernels import reference as R
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        a, b, c, kw, _ = draw("structured", 14001112)
-    finally:
-        torch.set_num_threads(threads)
-    for check in (R.check, R.check_torch):
-        v, (rr, rc) = check(a, b, c, **kw)
-        assert max(float(rr.abs().max()), float(rc.abs().max())) < 1, check.__name__
+    _assert_replayed_clean(lambda: draw("structured", 14001112)[:4])
 
 
 @pytest.mark.parametrize("check", ["check", "check_torch"])
@@ -612,15 +603,22 @@ def test_the_structured_fuzz_s_false_alarms_do_not_alarm(seed):
     """Each false alarm the fuzz found, replayed from its seed (products made on one thread, as
     the fuzz made them): no sum of either check reaches its threshold."""
     import fuzzcases
+    _assert_replayed_clean(lambda: fuzzcases.case(seed))
+
+
+def _assert_replayed_clean(case):
+    """No sum of either check reaches its threshold on ``case()`` -> (a, b, c, check kwargs), its
+    product made on one thread, as the fuzzes made theirs."""
     from abft.kernels import reference as R
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        a, b, c, kw = fuzzcases.case(seed)
+        a, b, c, kw = case()
     finally:
         torch.set_num_threads(threads)
+    kw = {"units": R.units_for(c), **kw}
     for check in (R.check, R.check_torch):
-        v, (rr, rc) = check(a, b, c, **kw, units=R.units_for(c))
+        v, (rr, rc) = check(a, b, c, **kw)
         assert max(float(rr.abs().max()), float(rc.abs().max())) < 1, check.__name__
 
 
