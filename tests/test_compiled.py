@@ -482,6 +482,58 @@ def test_b_with_rows_4kb_apart_from_memory_gives_the_oracles_verdicts(dtype):
     assert L.alarmed(got[0]).sum() == 1
 
 
+def _stats_fields(s):
+    return {f.name: getattr(s, f.name) for f in dataclasses.fields(s) if isinstance(getattr(s, f.name), torch.Tensor)}
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("k", [1100, 40])
+def test_an_operand_from_memory_has_each_blocks_statistics_as_alone(dtype, k):
+    """Operands of 8 MB or more (PF_BYTES) are read otherwise: a column-block operand's blocks
+    COLS_G at a time, COLS_K rows a turn; a row-block operand's rows with prefetches ahead. Each
+    block's statistics are the bits that block has alone (a slice under 8 MB: the plain path):
+    a block count and a K that are not multiples of those, a short last block, infinities, and
+    K within the small-K cap (the |x| sums)."""
+    g = torch.Generator().manual_seed(17)
+    n = -(-(9 << 20) // (k * torch.tensor([], dtype=dtype).element_size()))
+    n = n // 256 * 256 + 152                           # a short last block
+    x = torch.randn(k, n, generator=g).to(dtype)      # B (k, n): its columns, a block at a time
+    x[k // 3, 700] = float("inf")
+    x[k - 1, n - 1] = float("-inf")
+    need_abs = k <= T.SMALL_K
+    for rows in (x.mT, x.mT.contiguous()):             # columns strided (COLS), then rows (ROWS)
+        assert rows.numel() * rows.element_size() >= 8 << 20 and (n // 256 + 1) % 4 != 0
+        whole = _stats_fields(compiled.stats(rows, 256, need_abs=need_abs))
+        for j0 in list(range(0, n, 256))[:6] + [n // 256 * 256]:
+            part = rows[j0:j0 + 256]
+            assert part.numel() * part.element_size() < 8 << 20
+            alone = _stats_fields(compiled.stats(part, 256, need_abs=need_abs))
+            t = j0 // 256
+            for name, v in alone.items():
+                w = whole[name][j0:j0 + 256] if v.shape[0] == part.shape[0] and name not in ("s", "absum") \
+                    else whole[name][t:t + 1]
+                assert _finite_equal(w, v), (name, j0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_products_of_operands_from_memory_give_the_oracles_verdicts(dtype):
+    """A and B of 8 MB or more (the statistics' prefetched and grouped reads) with a block count
+    that is not a multiple of COLS_G: the oracle's verdicts, clean and with a corrupted element."""
+    g = torch.Generator().manual_seed(23)
+    m, k, n = (2000, 1100, 2200) if dtype == torch.float32 else (3900, 1100, 4400)
+    a = torch.randn(m, k, generator=g).to(dtype)
+    b = torch.randn(k, n, generator=g).to(dtype)
+    assert a.numel() * a.element_size() >= 8 << 20 and b.numel() * b.element_size() >= 8 << 20
+    c = a @ b
+    got, want, loose = both(a, b, c, bm=256, bn=256)
+    assert differences(got, want, False, loose) == []
+    assert not L.alarmed(got[0]).any()
+    c[1234, 2100] += 50.0
+    got, want, loose = both(a, b, c, bm=256, bn=256)
+    assert differences(got, want, False, loose) == []
+    assert L.alarmed(got[0]).sum() == 1
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_column_major_outputs_and_full_addends_give_the_oracles_verdicts(dtype):
     """C stored column-major (a transposed product's canonical view), a full (M, N) addend, a

@@ -560,9 +560,15 @@ static bool low_entropy(const T* row, i64 sk, const i64* places, i64 np) {
 // redoes a row whose sum of squares is not finite) and sum of squares, in LANES accumulators;
 // the rows' values and squares added into the column accumulators bsum and bsq, and with ABS
 // their magnitudes into babs (the first row's, then the second's: the order of a row at a time).
-template <int NR, bool ABS, typename T>
+// With PF (an operand from memory), each row's bytes ROW_PF_BYTES ahead are prefetched into L2,
+// past a row's end the next pair's (n0, n1): at 4096^2 float32, one thread, 3.3 ms a pass against
+// 6.0-8.1 without (the hardware prefetchers start afresh on every page of each row); 2 KB ahead
+// 3.9, 8 KB 3.4 (BENCHMARKS.md, 2026-12-07).
+constexpr i64 ROW_PF_BYTES = 4096;
+template <int NR, bool ABS, bool PF, typename T>
 static void row_pass(const T* __restrict x0, const T* __restrict x1, i64 K, double* __restrict bsum,
-                     double* __restrict bsq, double* __restrict babs, double* amax, double* rsq) {
+                     double* __restrict bsq, double* __restrict babs, double* amax, double* rsq,
+                     const T* n0 = nullptr, const T* n1 = nullptr) {
     constexpr int L = LANES / 2;          // two rows' accumulators: as many registers as one's
     static_assert(L == 8, "two vectors of four lanes a row");
     // lanes 4h..4h+3 of each accumulator in its vector h (explicit vectors: GCC's own
@@ -571,6 +577,16 @@ static void row_pass(const T* __restrict x0, const T* __restrict x1, i64 K, doub
     for (int h = 0; h < 2; h++) m0[h] = s0[h] = m1[h] = s1[h] = splat(0.0);
     i64 k = 0;
     for (; k + L <= K; k += L) {
+        if (PF && (k * (i64)sizeof(T)) % 64 == 0) {
+            const i64 kd = k + ROW_PF_BYTES / (i64)sizeof(T);
+            if (kd < K) {
+                __builtin_prefetch(x0 + kd, 0, 1);
+                if (NR == 2) __builtin_prefetch(x1 + kd, 0, 1);
+            } else if (n0) {
+                __builtin_prefetch(n0 + (kd - K), 0, 1);
+                __builtin_prefetch(n1 + (kd - K), 0, 1);
+            }
+        }
         for (int h = 0; h < 2; h++) {
             const i64 o = k + 4 * h;
             const v4d v = load4(x0 + o), av = abs4(v);
@@ -694,13 +710,16 @@ template <typename T>
 static bool block_sums(const T* x, i64 nr, i64 K, i64 sr, i64 sk, BlockPath path, bool pf, const double* rhs,
                        const double* rhsT, i64 S, bool need_abs, double* tm, double* amax, double* rsq,
                        double* bsum, double* bsq, double* babs, double* buf, double* xb, double* tg,
-                       bool trial = false) {
-    std::fill(amax, amax + nr, 0.0);
-    std::fill(rsq, rsq + nr, 0.0);
-    std::fill(bsum, bsum + K, 0.0);
-    std::fill(bsq, bsq + K, 0.0);
-    if (need_abs) std::fill(babs, babs + K, 0.0);
-    if (tm) std::fill(tm, tm + nr * S, 0.0);
+                       bool trial = false, i64 kb = 0, i64 ke = -1) {
+    if (ke < 0) ke = K;
+    if (kb == 0) {
+        std::fill(amax, amax + nr, 0.0);
+        std::fill(rsq, rsq + nr, 0.0);
+        std::fill(bsum, bsum + K, 0.0);
+        std::fill(bsq, bsq + K, 0.0);
+        if (need_abs) std::fill(babs, babs + K, 0.0);
+        if (tm) std::fill(tm, tm + nr * S, 0.0);
+    }
     auto redo_max = [&](i64 r) { amax[r] = row_nmax(x, sr, sk, r, K); };   // a non-finite element
     if (path == ROWS) {
         // contiguous rows two at a time, read in their own type (no float64 copy): each pass
@@ -711,11 +730,15 @@ static bool block_sums(const T* x, i64 nr, i64 K, i64 sr, i64 sk, BlockPath path
         for (i64 r = 0; r < nr; r += 2) {
             const T* x0 = x + r * sr;
             if (r + 1 < nr) {
-                if (need_abs) row_pass<2, true>(x0, x0 + sr, K, bsum, bsq, babs, &amax[r], &rsq[r]);
-                else row_pass<2, false>(x0, x0 + sr, K, bsum, bsq, babs, &amax[r], &rsq[r]);
+                const T* n0 = r + 2 < nr ? x0 + 2 * sr : nullptr;
+                const T* n1 = r + 3 < nr ? x0 + 3 * sr : n0;
+                if (need_abs && pf) row_pass<2, true, true>(x0, x0 + sr, K, bsum, bsq, babs, &amax[r], &rsq[r], n0, n1);
+                else if (need_abs) row_pass<2, true, false>(x0, x0 + sr, K, bsum, bsq, babs, &amax[r], &rsq[r]);
+                else if (pf) row_pass<2, false, true>(x0, x0 + sr, K, bsum, bsq, babs, &amax[r], &rsq[r], n0, n1);
+                else row_pass<2, false, false>(x0, x0 + sr, K, bsum, bsq, babs, &amax[r], &rsq[r]);
             } else {
-                if (need_abs) row_pass<1, true>(x0, x0, K, bsum, bsq, babs, &amax[r], &rsq[r]);
-                else row_pass<1, false>(x0, x0, K, bsum, bsq, babs, &amax[r], &rsq[r]);
+                if (need_abs) row_pass<1, true, false>(x0, x0, K, bsum, bsq, babs, &amax[r], &rsq[r]);
+                else row_pass<1, false, false>(x0, x0, K, bsum, bsq, babs, &amax[r], &rsq[r]);
             }
             for (i64 rr = r; rr < std::min(r + 2, nr); rr++) {
                 if (trial && out_of_range(amax[rr], rsq[rr])) return false;
@@ -782,11 +805,11 @@ static bool block_sums(const T* x, i64 nr, i64 K, i64 sr, i64 sk, BlockPath path
                 if (amax[r] > 0 && out_of_range(amax[r], rsq[r])) return false;
             return true;
         };
-        i64 k = 0;
+        i64 k = kb;
 #ifdef __AVX512F__
         // two values of k per pass over the rows' accumulators (half their loads and stores), each
         // k's sums in its own registers (24 of the 32), every sum in the order of the loop below
-        for (; k + 2 <= K; k += 2) {
+        for (; k + 2 <= ke; k += 2) {
             if (trial && k == PROBE_K && !probe()) return false;
             const T* xk = x + k * sk;
             double* __restrict am = amax;
@@ -850,7 +873,7 @@ static bool block_sums(const T* x, i64 nr, i64 K, i64 sr, i64 sk, BlockPath path
                 }
         }
 #endif
-        for (; k < K; k++) {
+        for (; k < ke; k++) {
             if (trial && k == PROBE_K && !probe()) return false;
             const T* xk = x + k * sk;
             double* __restrict am = amax;
@@ -903,7 +926,7 @@ static bool block_sums(const T* x, i64 nr, i64 K, i64 sr, i64 sk, BlockPath path
         if (tm)
             for (i64 r = 0; r < nr; r++)
                 for (i64 q = 0; q < S; q++) tm[r * S + q] = tt[q * nr + r];
-        for (i64 r = 0; r < nr; r++)
+        for (i64 r = 0; ke == K && r < nr; r++)
             if (!fin(rsq[r])) redo_max(r);
     }
     return true;
@@ -924,17 +947,17 @@ template <typename T>
 static void stats_block(const T* x, i64 R, i64 K, i64 sr, i64 sk, i64 bs, i64 p, const i64* places,
                         i64 np, const double* rhs, const double* rhsT, i64 S, bool need_abs, bool pre,
                         StatsOut o, i64 rbase, i64 tbase, double* bsum, double* bsq, double* babs,
-                        double* buf, double* xb, double* tg, double* rowv) {
+                        double* buf, double* xb, double* tg, double* rowv, bool summed = false) {
     const i64 i0 = p * bs, i1 = std::min(R, i0 + bs), nr = i1 - i0;
     const BlockPath path = (sr == 1 && sk != 1 && R > 1) ? COLS : sk == 1 ? ROWS : ROWS_STRIDED;
-    const bool pf = path == COLS && R * K * (i64)sizeof(T) >= PF_BYTES;
+    const bool pf = path != ROWS_STRIDED && R * K * (i64)sizeof(T) >= PF_BYTES;
     // per row (rowv: five rows' worth, the caller's per thread): max |x|, sum of squares, exponent,
     // and the scaled copies' maxima and sums of squares
     double *amax = rowv, *rsq = rowv + nr, *e = rowv + 2 * nr, *cmax = rowv + 3 * nr, *csq = rowv + 4 * nr;
     double* tm = o.times ? o.times + (rbase + i0) * S : nullptr;
     const T* xb0 = x + i0 * sr;
-    bool scaled = !block_sums(xb0, nr, K, sr, sk, path, pf, rhs, rhsT, S, need_abs, tm, amax, rsq, bsum, bsq,
-                              babs, buf, xb, tg, pre);
+    bool scaled = !summed && !block_sums(xb0, nr, K, sr, sk, path, pf, rhs, rhsT, S, need_abs, tm, amax, rsq,
+                                         bsum, bsq, babs, buf, xb, tg, pre);
     if (scaled) {                   // a trial stopped early: the rows' maxima, as torch takes them
         if (path == COLS) {         // (in the block's own order)
             std::fill(amax, amax + nr, 0.0);
@@ -1052,6 +1075,8 @@ static void parallel_for(int th, i64 n, Init init, Body body, bool dynamic = fal
     }
 }
 
+// Blocks a job of a column-block operand from memory takes together, and rows a turn (stats_sides)
+constexpr i64 COLS_G = 4, COLS_K = 64;
 // One operand's statistics job: its blocks' rows (columns of B, rows of A), and for A the
 // right-hand side of the row predictions (rhs: S rows of K per batch of B, rhs_idx the batch of B
 // of each batch).
@@ -1099,24 +1124,55 @@ static void stats_sides(const StatsArgs* sd, int n, int nt) {
             S8 = std::max(S8, s8);
         }
     }
+    // A job is one block, or COLS_G neighbouring blocks of an operand read a column block at a
+    // time (COLS) from memory (PF_BYTES), without predictions, not float64: their passes go down
+    // the rows together, COLS_K rows at a time, so each row's bytes are read as one run of COLS_G
+    // blocks (4 KB of float32) instead of runs a block wide on a page each (the same sums, block
+    // by block, in the same order; B's columns at 4096^2 float32, two threads: 4.5 ms against 6.3)
+    std::vector<i64> group(n, 1);
+    for (int i = 0; i < n; i++) {
+        const StatsArgs& a = sd[i];
+        const bool cols = a.sr == 1 && a.sk != 1 && a.R > 1;
+        if (cols && !a.pre && !a.rhs && a.R * a.K * (i64)sizeof(T) >= PF_BYTES) group[i] = COLS_G;
+    }
+    std::vector<i64> jfirst(n + 1, 0);          // jobs
+    for (int i = 0; i < n; i++) {
+        const i64 tb = (sd[i].R + sd[i].bs - 1) / sd[i].bs;
+        jfirst[i + 1] = jfirst[i] + sd[i].nb * ((tb + group[i] - 1) / group[i]);
+    }
+    const i64 gmax = *std::max_element(group.begin(), group.end());
     struct Bufs { std::vector<double> bsum, bsq, babs, buf, xb, tg, rowv; };
-    parallel_for(threads_for(nt, work), first[n],
-                 [&] { return Bufs{std::vector<double>(K + 1), std::vector<double>(K + 1),
-                                   std::vector<double>(K + 1), std::vector<double>(wbuf + 1),
+    parallel_for(threads_for(nt, work), jfirst[n],
+                 [&] { return Bufs{std::vector<double>(gmax * (K + 1)), std::vector<double>(gmax * (K + 1)),
+                                   std::vector<double>(gmax * (K + 1)), std::vector<double>(gmax * (wbuf + 1)),
                                    std::vector<double>(any_tiles ? ROWS_G * KC : 0),
                                    std::vector<double>(any_tiles ? ROWS_G * S8 : 0),
-                                   std::vector<double>(5 * rows + 1)}; },
+                                   std::vector<double>(gmax * (5 * rows + 1))}; },
                  [&](i64 job, Bufs& w) {
             int i = 0;
-            while (job >= first[i + 1]) i++;
+            while (job >= jfirst[i + 1]) i++;
             const StatsArgs& a = sd[i];
-            const i64 tb = (a.R + a.bs - 1) / a.bs, b = (job - first[i]) / tb, p = (job - first[i]) % tb;
+            const i64 tb = (a.R + a.bs - 1) / a.bs, g = group[i], gb = (tb + g - 1) / g;
+            const i64 b = (job - jfirst[i]) / gb, p0 = (job - jfirst[i]) % gb * g, p1 = std::min(tb, p0 + g);
             const i64 s8 = (a.S + 7) / 8 * 8;
-            stats_block<T>((const T*)a.x + a.offs[b], a.R, a.K, a.sr, a.sk, a.bs, p, a.places, a.np,
-                           a.rhs ? a.rhs + a.rhs_idx[b] * a.S * a.K : nullptr,
-                           rhsT[i].empty() ? nullptr : rhsT[i].data() + a.rhs_idx[b] * a.K * s8, a.S,
-                           a.need_abs, a.pre, a.o, b * a.R, b * tb, w.bsum.data(), w.bsq.data(),
-                           w.babs.data(), w.buf.data(), w.xb.data(), w.tg.data(), w.rowv.data());
+            const T* x = (const T*)a.x + a.offs[b];
+            auto at = [&](std::vector<double>& v, i64 j) { return v.data() + j * (v.size() / gmax); };
+            if (g > 1)
+                for (i64 k0 = 0; k0 < a.K; k0 += COLS_K)
+                    for (i64 p = p0; p < p1; p++) {
+                        const i64 i0 = p * a.bs, nr = std::min(a.R, i0 + a.bs) - i0;
+                        double* rv = at(w.rowv, p - p0);
+                        block_sums(x + i0 * a.sr, nr, a.K, a.sr, a.sk, COLS, true, nullptr, nullptr, 0, a.need_abs,
+                                   nullptr, rv, rv + nr, at(w.bsum, p - p0), at(w.bsq, p - p0), at(w.babs, p - p0),
+                                   at(w.buf, p - p0), nullptr, nullptr, false, k0, std::min(a.K, k0 + COLS_K));
+                    }
+            for (i64 p = p0; p < p1; p++)
+                stats_block<T>(x, a.R, a.K, a.sr, a.sk, a.bs, p, a.places, a.np,
+                               a.rhs ? a.rhs + a.rhs_idx[b] * a.S * a.K : nullptr,
+                               rhsT[i].empty() ? nullptr : rhsT[i].data() + a.rhs_idx[b] * a.K * s8, a.S,
+                               a.need_abs, a.pre, a.o, b * a.R, b * tb, at(w.bsum, p - p0), at(w.bsq, p - p0),
+                               at(w.babs, p - p0), at(w.buf, p - p0), w.xb.data(), w.tg.data(), at(w.rowv, p - p0),
+                               g > 1);
         }, true);
 }
 
@@ -1265,7 +1321,7 @@ static void thin_t(const T* b, i64 K, i64 N, i64 sk, i64 sn, const double* s, i6
         // (a multiple of the tiles' width, so only the last strip has narrower tiles)
         const int th = threads_for(nt, (double)TM * K * N);
         const i64 cw = TM >= 4 ? THIN_CW4 : TM >= 2 ? 16 : THIN_CW1;
-        const i64 KT = 128, per = (N + 255) / 256, even = (per + th - 1) / th * th,
+                const i64 KT = 128, per = (N + 255) / 256, even = (per + th - 1) / th * th,
                   W = std::min<i64>(256, std::max<i64>(cw, ((N + even - 1) / even + cw - 1) / cw * cw)),
                   strips = (N + W - 1) / W;
         // prefetch the next chunk where b comes from memory (PF_BYTES; a b of 6 MB: 1-3% slower
@@ -1323,14 +1379,18 @@ static void thin_t(const T* b, i64 K, i64 N, i64 sk, i64 sn, const double* s, i6
                     for (i64 j = 0; j < w; j++) out[p * N + j0 + j] *= scale[j0 + j];
         };
         auto none = [] { return 0; };
-        if (stream && sk * (i64)sizeof(T) % 4096 == 0 && TM >= 4) {
+        if (stream && sk * (i64)sizeof(T) % 4096 == 0 && TM >= 4 && THIN_W == 4) {
             // b's rows a multiple of 4 KB apart and from memory: a chunk's rows of one group of
             // columns all fall in one set of L1 and a few of L2, and the passes after the first
             // over them (one per group of rows of s) came from L3 or memory (the float32 4096^3
             // product: 13.3-14.6 ms, 8.0-8.3 ms at 4104 columns). Each chunk is copied first, row
             // by row (whole rows, in order), to rows a line more apart (10.8-10.9 ms); the same
             // sums. (Packing a chunk's groups of columns as float64, or blocks of 4 rows for every
-            // group of rows of s in turn, gave nothing: BENCHMARKS.md.)
+            // group of rows of s in turn, gave nothing: BENCHMARKS.md.) Four-lane tiles only (an
+            // AVX2 Zen 3): eight-lane tiles take a chunk in half as many passes, each group of
+            // columns a whole line, and on a Zen 4 the copy cost more than it saved (thin_t at
+            // 4096^3 float32, two threads: 6.5-7.0 ms without, 8.4-9.0 with; 2048^3 1.0-1.1 against
+            // 1.6).
             const i64 XS = N + 64 / (i64)sizeof(T);
             std::vector<T> pad((size_t)KT * XS);
             parallel_for(th, strips, none, [&](i64 st, int) { begin(st); });
