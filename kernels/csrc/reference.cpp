@@ -679,10 +679,17 @@ constexpr i64 PF_AHEAD = 8, PF_BYTES = 8 << 20;
 // page faults and about a fifth of the check, at 4096^3 about a tenth. The workers of a batch
 // checked a matrix a thread keep one matrix's buffers each, up to BATCH_REUSE_DOUBLES (4 MB).
 constexpr double REUSE_DOUBLES = 1 << 23, BATCH_REUSE_DOUBLES = 1 << 19;
-template <typename T>
+template <int LOCALITY = 3, typename T>
 static inline void prefetch_run(const T* p, i64 n) {
-    for (i64 j = 0; j < n; j += 64 / sizeof(T)) __builtin_prefetch(p + j);
+    for (i64 j = 0; j < n; j += 64 / sizeof(T)) __builtin_prefetch(p + j, 0, LOCALITY);
 }
+// The passes down a column-block operand's rows (COLS) prefetch them COLS_PF_AHEAD rows ahead into
+// L2 instead: B's columns at 4096^2 float32, two threads, 0.77-0.86 of the time with PF_AHEAD into
+// L1 (16 rows ahead 0.81-0.86, 64 no better than 8; BENCHMARKS.md, 2026-12-07)
+constexpr i64 COLS_PF_AHEAD = 32;
+// and the pass over C its tiles' rows C_PF_AHEAD ahead into L2 (the whole check at 4096^3 float32:
+// 0.94 of the time with PF_AHEAD into L1; 32 ahead no better)
+constexpr i64 C_PF_AHEAD = 16;
 // How a block's rows are read: ROWS, K contiguous (row_pass); ROWS_STRIDED, a row at a time through
 // a float64 copy; COLS, rows contiguous and K strided (k outer, the block's rows inner).
 enum BlockPath { ROWS, ROWS_STRIDED, COLS };
@@ -823,9 +830,9 @@ static bool block_sums(const T* x, i64 nr, i64 K, i64 sr, i64 sk, BlockPath path
             v4d l1[2][4], l2[2][4], la[2][4];
             for (int h = 0; h < 2; h++)
                 for (int u = 0; u < 4; u++) l1[h][u] = l2[h][u] = la[h][u] = splat(0.0);
-            if (pf && k + PF_AHEAD + 1 < K) {
-                prefetch_run(xk + PF_AHEAD * sk, nr);
-                prefetch_run(xk + (PF_AHEAD + 1) * sk, nr);
+            if (pf && k + COLS_PF_AHEAD + 1 < K) {
+                prefetch_run<1>(xk + COLS_PF_AHEAD * sk, nr);
+                prefetch_run<1>(xk + (COLS_PF_AHEAD + 1) * sk, nr);
             }
             i64 r = 0;
             for (; r + LANES <= nr; r += LANES) {
@@ -881,7 +888,7 @@ static bool block_sums(const T* x, i64 nr, i64 K, i64 sr, i64 sk, BlockPath path
             double* __restrict bf = buf;
             v4d l1[4], l2[4], la[4];       // LANES accumulators each, in registers
             for (int u = 0; u < 4; u++) l1[u] = l2[u] = la[u] = splat(0.0);
-            if (pf && k + PF_AHEAD < K) prefetch_run(xk + PF_AHEAD * sk, nr);
+            if (pf && k + COLS_PF_AHEAD < K) prefetch_run<1>(xk + COLS_PF_AHEAD * sk, nr);
             // with one block of B's columns (S == 1), each row's prediction is added here
             // (the loop below's operations, in its order per row); with more, the values are
             // kept for that loop
@@ -2015,7 +2022,7 @@ static void check_t(CheckArgs g) {
                     if (fast && i >= slow_until && pend[0].n == 0 && i + 4 <= i1) {
                         const T* ci = c + i * g.scm + j0;
                         for (i64 r = 0; r < 4; r++)
-                            if (pf && i + r + PF_AHEAD < i1) prefetch_run(ci + (r + PF_AHEAD) * g.scm, w);
+                            if (pf && i + r + C_PF_AHEAD < i1) prefetch_run<1>(ci + (r + C_PF_AHEAD) * g.scm, w);
                         double rs[4][4], s4[4];
                         for (i64 r = 0; r < 4; r++) s4[r] = pow2(-eA[i + r]) * srow;
                         double* z0 = cz.data();
@@ -2041,7 +2048,7 @@ static void check_t(CheckArgs g) {
                         bool summed = false;
                         if (src == 0) {
                             const T* ci = c + i * g.scm + j0 * g.scn;
-                            if (pf && i + PF_AHEAD < i1) prefetch_run(ci + PF_AHEAD * g.scm, w);
+                            if (pf && i + C_PF_AHEAD < i1) prefetch_run<1>(ci + C_PF_AHEAD * g.scm, w);
                             if (g.scn == 1 && !pre) {
                                 load_sums<true>(ci, w, seg, s1, s2, sa);
                                 summed = true;
