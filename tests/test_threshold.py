@@ -53,9 +53,14 @@ def test_no_false_alarm_fresh_seed(request):
 def test_threshold_within_worst_case_bound(case):
     a, b, c, v, _, sums = _run(case, 0, 32, 32)
     w_col, w_row = worst_case_bounds(a, b, c, 32, 32)
+    # Both the bound here and the cap the check takes (K <= SMALL_K: its own worst case times
+    # 1 - 8u) are sums of k + bs nonnegative float64 terms, added in different orders: each is
+    # the bound to within (k + bs) u64 of it, so a capped threshold may sit that far above this
+    # float64 evaluation of the bound (2.2e-16 of it on an AVX-512 EPYC: few_values, K 64).
+    slack = (case[2] + 32 + 8) * torch.finfo(torch.float64).eps / 2
     for name, thr, w in (("col", sums["thr_col"], w_col), ("row", sums["thr_row"], w_row)):
         excess = (thr.double() / w).max().item()
-        assert excess <= 1.0, f"{ID(case)}: a {name} threshold is {excess:.3g}x its worst-case bound"
+        assert excess <= 1.0 + slack, f"{ID(case)}: a {name} threshold is {excess:.17g}x its worst-case bound"
 
 
 @pytest.mark.parametrize("case", CASES, ids=ID)
