@@ -582,7 +582,7 @@ static void row_pass(const T* __restrict x0, const T* __restrict x1, i64 K, doub
             if (kd < K) {
                 __builtin_prefetch(x0 + kd, 0, 1);
                 if (NR == 2) __builtin_prefetch(x1 + kd, 0, 1);
-            } else if (n0) {
+            } else if (n0 && kd - K < K) {
                 __builtin_prefetch(n0 + (kd - K), 0, 1);
                 __builtin_prefetch(n1 + (kd - K), 0, 1);
             }
