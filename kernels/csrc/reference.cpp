@@ -669,10 +669,11 @@ static i64 most_equal(const double* a, const double* b, const uint8_t* ok, i64 n
 
 // Short runs a stride apart (a block's rows of a column-major operand, a tile's rows of C) each
 // lie on their own page, where the hardware prefetcher does not run ahead: loops over them
-// prefetch the run PF_AHEAD rows ahead, in operands of PF_BYTES or more (those come from memory:
-// at 4096^2 float32 the strided statistics took 7.7 ms with it against 11.3 without; operands that
-// stay in the caches gain nothing). A fixed size: a VM's sysconf reports the host's whole L3.
-constexpr i64 PF_AHEAD = 8, PF_BYTES = 8 << 20;
+// prefetch the runs ahead (COLS_PF_AHEAD, C_PF_AHEAD), in operands of PF_BYTES or more (those come
+// from memory: at 4096^2 float32 the strided statistics took 7.7 ms with 8 rows ahead against 11.3
+// without; operands that stay in the caches gain nothing). A fixed size: a VM's sysconf reports the
+// host's whole L3.
+constexpr i64 PF_BYTES = 8 << 20;
 // A check whose buffers hold up to REUSE_DOUBLES doubles (64 MB; an 8192 x 4096 x 4096 product's
 // take 38 MB with 256-wide tiles) reuses its calling thread's, kept and grown; larger ones allocate
 // their own per call. Fresh buffers fault their pages in on every call: at 2048^3 that was 416
@@ -684,15 +685,18 @@ static inline void prefetch_run(const T* p, i64 n) {
     for (i64 j = 0; j < n; j += 64 / sizeof(T)) __builtin_prefetch(p + j, 0, LOCALITY);
 }
 // The passes down a column-block operand's rows (COLS) prefetch them COLS_PF_AHEAD rows ahead into
-// L2 instead: B's columns at 4096^2 float32, two threads, 0.77-0.86 of the time with PF_AHEAD into
-// L1 (16 rows ahead 0.81-0.86, 64 no better than 8; BENCHMARKS.md, 2026-12-07)
+// L2: B's columns at 4096^2 float32, two threads, 0.77-0.86 of the time with 8 rows ahead into L1
+// (16 ahead 0.81-0.86; 64 ahead 1.04-1.06 of 32's time; BENCHMARKS.md, 2026-12-07)
 constexpr i64 COLS_PF_AHEAD = 32;
 // and the pass over C its tiles' rows C_PF_AHEAD ahead into L2 (the whole check at 4096^3 float32:
-// 0.94 of the time with PF_AHEAD into L1; 32 ahead no better)
+// 0.94 of the time with 8 ahead into L1; 32 ahead no better)
 constexpr i64 C_PF_AHEAD = 16;
 // How a block's rows are read: ROWS, K contiguous (row_pass); ROWS_STRIDED, a row at a time through
 // a float64 copy; COLS, rows contiguous and K strided (k outer, the block's rows inner).
 enum BlockPath { ROWS, ROWS_STRIDED, COLS };
+static inline BlockPath block_path(i64 R, i64 sr, i64 sk) {
+    return (sr == 1 && sk != 1 && R > 1) ? COLS : sk == 1 ? ROWS : ROWS_STRIDED;
+}
 
 // A float64 row summed unscaled (stats_block) has its exponent within +-UNSCALED_EXP and finite sums
 constexpr double UNSCALED_EXP = 400;
@@ -956,7 +960,7 @@ static void stats_block(const T* x, i64 R, i64 K, i64 sr, i64 sk, i64 bs, i64 p,
                         StatsOut o, i64 rbase, i64 tbase, double* bsum, double* bsq, double* babs,
                         double* buf, double* xb, double* tg, double* rowv, bool summed = false) {
     const i64 i0 = p * bs, i1 = std::min(R, i0 + bs), nr = i1 - i0;
-    const BlockPath path = (sr == 1 && sk != 1 && R > 1) ? COLS : sk == 1 ? ROWS : ROWS_STRIDED;
+    const BlockPath path = block_path(R, sr, sk);
     const bool pf = path != ROWS_STRIDED && R * K * (i64)sizeof(T) >= PF_BYTES;
     // per row (rowv: five rows' worth, the caller's per thread): max |x|, sum of squares, exponent,
     // and the scaled copies' maxima and sums of squares
@@ -1106,15 +1110,21 @@ struct StatsArgs {
 // not leave the other threads idle; a block's results do not depend on the thread).
 template <typename T>
 static void stats_sides(const StatsArgs* sd, int n, int nt) {
-    std::vector<i64> first(n + 1, 0);
+    // A job is one block, or COLS_G neighbouring blocks of an operand read a column block at a
+    // time (COLS) from memory (PF_BYTES), without predictions, not float64: their passes go down
+    // the rows together, COLS_K rows at a time, so each row's bytes are read as one run of COLS_G
+    // blocks (4 KB of float32) instead of runs a block wide on a page each (the same sums, block
+    // by block, in the same order; B's columns at 4096^2 float32, two threads: 4.5 ms against 6.3)
+    std::vector<i64> first(n + 1, 0), group(n, 1);      // each side's first job, blocks a job
     std::vector<std::vector<double>> rhsT(n);   // rhs transposed, where rows_times takes the predictions
     i64 K = 0, wbuf = 0, rows = 0, S8 = 0;
     bool any_tiles = false;
     double work = 0;
     for (int i = 0; i < n; i++) {
         const StatsArgs& a = sd[i];
-        first[i + 1] = first[i] + a.nb * ((a.R + a.bs - 1) / a.bs);
-        const bool rowmajor = !(a.sr == 1 && a.sk != 1 && a.R > 1);
+        const bool rowmajor = block_path(a.R, a.sr, a.sk) != COLS;
+        if (!rowmajor && !a.pre && !a.rhs && a.R * a.K * (i64)sizeof(T) >= PF_BYTES) group[i] = COLS_G;
+        first[i + 1] = first[i] + a.nb * (((a.R + a.bs - 1) / a.bs + group[i] - 1) / group[i]);
         K = std::max(K, a.K);
         wbuf = std::max(wbuf, rowmajor ? 2 * a.K : std::max(a.K, 2 * a.bs));    // two rows' values
         rows = std::max(rows, std::min(a.bs, a.R));
@@ -1131,25 +1141,9 @@ static void stats_sides(const StatsArgs* sd, int n, int nt) {
             S8 = std::max(S8, s8);
         }
     }
-    // A job is one block, or COLS_G neighbouring blocks of an operand read a column block at a
-    // time (COLS) from memory (PF_BYTES), without predictions, not float64: their passes go down
-    // the rows together, COLS_K rows at a time, so each row's bytes are read as one run of COLS_G
-    // blocks (4 KB of float32) instead of runs a block wide on a page each (the same sums, block
-    // by block, in the same order; B's columns at 4096^2 float32, two threads: 4.5 ms against 6.3)
-    std::vector<i64> group(n, 1);
-    for (int i = 0; i < n; i++) {
-        const StatsArgs& a = sd[i];
-        const bool cols = a.sr == 1 && a.sk != 1 && a.R > 1;
-        if (cols && !a.pre && !a.rhs && a.R * a.K * (i64)sizeof(T) >= PF_BYTES) group[i] = COLS_G;
-    }
-    std::vector<i64> jfirst(n + 1, 0);          // jobs
-    for (int i = 0; i < n; i++) {
-        const i64 tb = (sd[i].R + sd[i].bs - 1) / sd[i].bs;
-        jfirst[i + 1] = jfirst[i] + sd[i].nb * ((tb + group[i] - 1) / group[i]);
-    }
     const i64 gmax = *std::max_element(group.begin(), group.end());
     struct Bufs { std::vector<double> bsum, bsq, babs, buf, xb, tg, rowv; };
-    parallel_for(threads_for(nt, work), jfirst[n],
+    parallel_for(threads_for(nt, work), first[n],
                  [&] { return Bufs{std::vector<double>(gmax * (K + 1)), std::vector<double>(gmax * (K + 1)),
                                    std::vector<double>(gmax * (K + 1)), std::vector<double>(gmax * (wbuf + 1)),
                                    std::vector<double>(any_tiles ? ROWS_G * KC : 0),
@@ -1157,10 +1151,10 @@ static void stats_sides(const StatsArgs* sd, int n, int nt) {
                                    std::vector<double>(gmax * (5 * rows + 1))}; },
                  [&](i64 job, Bufs& w) {
             int i = 0;
-            while (job >= jfirst[i + 1]) i++;
+            while (job >= first[i + 1]) i++;
             const StatsArgs& a = sd[i];
             const i64 tb = (a.R + a.bs - 1) / a.bs, g = group[i], gb = (tb + g - 1) / g;
-            const i64 b = (job - jfirst[i]) / gb, p0 = (job - jfirst[i]) % gb * g, p1 = std::min(tb, p0 + g);
+            const i64 b = (job - first[i]) / gb, p0 = (job - first[i]) % gb * g, p1 = std::min(tb, p0 + g);
             const i64 s8 = (a.S + 7) / 8 * 8;
             const T* x = (const T*)a.x + a.offs[b];
             auto at = [&](std::vector<double>& v, i64 j) { return v.data() + j * (v.size() / gmax); };
@@ -1328,7 +1322,7 @@ static void thin_t(const T* b, i64 K, i64 N, i64 sk, i64 sn, const double* s, i6
         // (a multiple of the tiles' width, so only the last strip has narrower tiles)
         const int th = threads_for(nt, (double)TM * K * N);
         const i64 cw = TM >= 4 ? THIN_CW4 : TM >= 2 ? 16 : THIN_CW1;
-                const i64 KT = 128, per = (N + 255) / 256, even = (per + th - 1) / th * th,
+        const i64 KT = 128, per = (N + 255) / 256, even = (per + th - 1) / th * th,
                   W = std::min<i64>(256, std::max<i64>(cw, ((N + even - 1) / even + cw - 1) / cw * cw)),
                   strips = (N + W - 1) / W;
         // prefetch the next chunk where b comes from memory (PF_BYTES; a b of 6 MB: 1-3% slower
