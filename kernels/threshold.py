@@ -62,7 +62,8 @@ any nonzero block and column, so a threshold never collapses to its floor.
 For K <= SMALL_K the threshold is capped by the deterministic worst-case bound built from the exact
 T = sum_i sum_k |x_ik| |y_kj| (cheap at small K), an addend's magnitudes (a GEMM may start its
 accumulator at the addend: every step then rounds at its size), plus the underflow allowance
-(term 5).
+(term 5) and, in the fused kernels, the checksums' split error (term 4's eta, at most eta a
+checksum: eta sqrt(K y1)).
 
 Products far below their running sum (a large addend the GEMM starts from, one large product
 among tiny ones) are lost with one sign; that is allowed only where a sum has failed, by the
@@ -357,6 +358,11 @@ def threshold(c, *, s1, s2, sa, pred, x1, xinf, xs1, xsinf, y1, yinf, nu, low, e
         w = c.w_t * t + c.w_sa * sa + uf
         if da is not None:
             w = w + (c.w_da + c.out_add) * da
+        if c.eta_log2 > -1000.0 or c.eta_absolute:
+            # and the checksums' split error: at most eta a checksum (``prepass.split_error``),
+            # times |y_kj| summed over k, at most sqrt(K y1)
+            eta = torch.exp2(torch.clamp(c.eta_log2 - c.eta_absolute * ex, min=-1000.0))
+            w = w + eta * torch.sqrt(c.k * y1)
         thr = torch.minimum(thr, w * c.w_scale)
     return torch.clamp(thr, min=FLOOR)
 
@@ -489,6 +495,6 @@ if triton is not None:
         # smallest normal, and 0 * inf (no flush) made the threshold NaN, then the floor
         uf += (ftz * pow2_tl(-ex)) * bs * tl.sqrt(k * y1) + (ftz * pow2_tl(-ey)) * tl.sqrt(bs * k * x1)
         thr = thr + uf
-        if CAP:
-            thr = tl.minimum(thr, (w_t * t + w_sa * sa + uf) * w_scale)
+        if CAP:       # (with the checksums' split error, eta a checksum: ``threshold``)
+            thr = tl.minimum(thr, (w_t * t + w_sa * sa + uf + eta * tl.sqrt(k * y1)) * w_scale)
         return tl.maximum(thr, _FLOOR)

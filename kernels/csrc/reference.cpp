@@ -1617,6 +1617,8 @@ static inline __attribute__((always_inline)) v4d threshold4(const double* c, v4d
     if (c[CAP] != 0 && has_t) {
         v4d w = c[W_T] * t + c[W_SA] * sa + uf;
         if (has_d) w += (c[W_DA] + c[OUT_ADD]) * da;
+        if (c[ETA_LOG2] > -1000.0 || c[ETA_ABSOLUTE] != 0)     // the checksums' split error
+            w += std::exp2(std::max(c[ETA_LOG2] - c[ETA_ABSOLUTE] * ex, -1000.0)) * sqrt4(c[KK] * y1);
         thr = nmin4(thr, w * c[W_SCALE]);
     }
     return sel(thr < splat(FLOOR), splat(FLOOR), thr);
