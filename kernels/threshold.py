@@ -311,6 +311,7 @@ def threshold(c, *, s1, s2, sa, pred, x1, xinf, xs1, xsinf, y1, yinf, nu, low, e
     # 0 * the largest of the skipped terms' operands (all >= 0) still does. (Skipped, eta is
     # 2^-1000: its square is 0.)
     skipped = []
+    eta = None
     if c.eta_log2 > -1000.0 or c.eta_absolute:
         eta = torch.exp2(torch.clamp(c.eta_log2 - c.eta_absolute * ex, min=-1000.0))
         check = check + eta * eta / 3 * y1
@@ -358,10 +359,9 @@ def threshold(c, *, s1, s2, sa, pred, x1, xinf, xs1, xsinf, y1, yinf, nu, low, e
         w = c.w_t * t + c.w_sa * sa + uf
         if da is not None:
             w = w + (c.w_da + c.out_add) * da
-        if c.eta_log2 > -1000.0 or c.eta_absolute:
+        if eta is not None:
             # and the checksums' split error: at most eta a checksum (``prepass.split_error``),
             # times |y_kj| summed over k, at most sqrt(K y1)
-            eta = torch.exp2(torch.clamp(c.eta_log2 - c.eta_absolute * ex, min=-1000.0))
             w = w + eta * torch.sqrt(c.k * y1)
         thr = torch.minimum(thr, w * c.w_scale)
     return torch.clamp(thr, min=FLOOR)

@@ -1531,8 +1531,11 @@ static void thin_t(const T* b, i64 K, i64 N, i64 sk, i64 sn, const double* s, i6
 // ---------------------------------------------------------------------------------------------
 // eta^2 / 3 of the threshold's eta term for a sum whose first side's exponent is ex (one exp2 for
 // all the sums that share ex)
+static double eta_of(const double* c, double ex) {
+    return std::exp2(std::max(c[ETA_LOG2] - c[ETA_ABSOLUTE] * ex, -1000.0));
+}
 static double eta2_of(const double* c, double ex) {
-    double eta = std::exp2(std::max(c[ETA_LOG2] - c[ETA_ABSOLUTE] * ex, -1000.0));
+    const double eta = eta_of(c, ex);
     return eta * eta / 3;
 }
 
@@ -1618,7 +1621,7 @@ static inline __attribute__((always_inline)) v4d threshold4(const double* c, v4d
         v4d w = c[W_T] * t + c[W_SA] * sa + uf;
         if (has_d) w += (c[W_DA] + c[OUT_ADD]) * da;
         if (c[ETA_LOG2] > -1000.0 || c[ETA_ABSOLUTE] != 0)     // the checksums' split error
-            w += std::exp2(std::max(c[ETA_LOG2] - c[ETA_ABSOLUTE] * ex, -1000.0)) * sqrt4(c[KK] * y1);
+            w += eta_of(c, ex) * sqrt4(c[KK] * y1);
         thr = nmin4(thr, w * c[W_SCALE]);
     }
     return sel(thr < splat(FLOOR), splat(FLOOR), thr);
