@@ -4,7 +4,8 @@ For the rows of x (..., R, K) (the rows of A, or of B^T: the columns of B) and b
 (a tile's data rows), one program per block reads the block along K and writes:
 
 - the checksum of the block, s_k = sum_i x_ik 2^-E in fp32 (in the block's scale, so its parts
-  fit fp16's range and keep their precision at any scale), split into ``parts`` values in the operand's dtype (hi, mid, lo: bf16 keeps 8
+  fit fp16's range and keep their precision at any scale; fp16's times 2^S, ``chk_shift``), split
+  into ``parts`` values in the operand's dtype (hi, mid, lo: bf16 keeps 8
   bits a part and fp16 11, so three parts carry fp32's 24; fp16's last part may be subnormal,
   ``split_error``), which the main kernel's tensor cores multiply exactly; one fp32 part for fp32
   operands (the dot is in fp32), three tf32 parts for tf32; ``pad`` - ``parts`` rows of zeros
@@ -21,6 +22,7 @@ by a power of two). A block is DM x K: with many in flight, the second read come
 ``abft bench --static`` counts it. (A one-read variant that rescales as the exponents grow lost
 that invariance: its unscaled checksums' parts go subnormal below 2^-110.)
 """
+import math
 from typing import Tuple
 
 import torch
@@ -44,13 +46,25 @@ _BE, _BX1, _BXINF, _BXS1, _BXSINF, _BNU, _BLOW, _BFIN = (tl.constexpr(x) for x i
 _RF, _BF = tl.constexpr(ROW_FIELDS), tl.constexpr(BLOCK_FIELDS)
 
 
-def split_error(dtype, tf32=False):
+def chk_shift(dtype, dm):
+    """S: fp16 checksums are split in units of 2^(E - S), not 2^E. In the block's units a
+    checksum is below dm (every scaled value is below 1), so dm 2^S <= 2^15 keeps its parts in
+    fp16's range, and the last part's subnormal grid (its floor of precision, ``split_error``)
+    is 2^S finer than in the block's units; the main kernels divide the prediction by 2^S. 0 for
+    the other dtypes (bf16's range needs no shift; fp32 and tf32 parts are not subnormal)."""
+    if dtype != torch.float16:
+        return 0
+    return max(0, 15 - math.ceil(math.log2(max(int(dm), 1))))
+
+
+def split_error(dtype, tf32=False, dm=1):
     """(log2 of eta, absolute): how far the parts may be from the checksum they split, in the
     block's units (the checksum times 2^-E): half the last part's subnormal grid, 2^-134 (bf16),
-    2^-25 (fp16), 2^-150 (tf32 and fp32). Scaled units: the verdict stays invariant when an
-    operand is scaled by a power of two."""
+    2^-(25 + S) (fp16 in blocks of ``dm`` rows, ``chk_shift``), 2^-150 (tf32 and fp32). At most
+    eta a checksum, of one sign where the checksums are equal (``threshold``: deterministic).
+    Scaled units: the verdict stays invariant when an operand is scaled by a power of two."""
     if dtype == torch.float16:
-        return -25.0, False
+        return -25.0 - chk_shift(dtype, dm), False
     if dtype == torch.bfloat16:
         return -134.0, False
     return -150.0, False
@@ -97,7 +111,7 @@ def prepass_kernel(
     stride_xb, stride_xr, stride_xk,
     stride_rowb, stride_blkb, stride_pb, stride_pr, stride_pk,
     DM: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, PARTS: tl.constexpr,
-    PAD: tl.constexpr, TF32: tl.constexpr,
+    PAD: tl.constexpr, TF32: tl.constexpr, CHK_SCALE: tl.constexpr,
 ):
     pid = tl.program_id(0).to(tl.int64)
     pid_b = tl.program_id(1).to(tl.int64)
@@ -165,6 +179,7 @@ def prepass_kernel(
                 lo = rest - mid
                 lo = (lo.to(tl.int32, bitcast=True) & -8192).to(tl.float32, bitcast=True)
             else:
+                s = s * CHK_SCALE                   # 2^S (``chk_shift``): exact
                 hi = s.to(parts_ptr.dtype.element_ty).to(tl.float32)
                 rest = s - hi
                 mid = rest.to(parts_ptr.dtype.element_ty).to(tl.float32)
@@ -226,7 +241,7 @@ def launch(x, dm, nparts, pad, k_major, tf32, block_k):
             x.stride(0), x.stride(1), x.stride(2),
             rows.stride(0), blocks.stride(0), parts.stride(0), parts.stride(1), parts.stride(2))
     meta = dict(DM=dm, BLOCK_R=triton.next_power_of_2(dm), BLOCK_K=block_k, PARTS=nparts, PAD=pad,
-                TF32=tf32)
+                TF32=tf32, CHK_SCALE=2.0 ** chk_shift(x.dtype, dm))
     return (rows, blocks, parts), (t, bt), args, meta
 
 
@@ -266,4 +281,5 @@ def prepare(x, dm, nparts, pad=None, k_major=True, tf32=False, block_k=None):
     return Prepared(rows, blocks, parts, int(dm), nparts, pad, bool(k_major))
 
 
-__all__ = ["prepare", "launch", "Prepared", "parts_for", "split_error", "ROW_FIELDS", "BLOCK_FIELDS"]
+__all__ = ["prepare", "launch", "Prepared", "parts_for", "split_error", "chk_shift", "ROW_FIELDS",
+           "BLOCK_FIELDS"]

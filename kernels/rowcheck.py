@@ -242,7 +242,7 @@ def row_check_kernel(
 @triton.jit
 def row_verify_kernel(
     part_ptr, blk_ptr, coef_ptr, ratio_ptr, sums_ptr, verdict_ptr,
-    M, TN, slack, tiny_q, tiny_qs, tiny_y,
+    M, TN, slack, tiny_q, tiny_qs, tiny_y, p_down,
     BLOCK_R: tl.constexpr, BLOCK_T: tl.constexpr, ROWS: tl.constexpr,
 ):
     """One program per ROWS rows (a verdict record), in chunks of BLOCK_R rows: the TN partials of
@@ -281,7 +281,7 @@ def row_verify_kernel(
         down = pow2_tl(-e_b)
         s1s = s1 * down * up
         s2s = tl.minimum((s2 * (down * up)) * (down * up), big)
-        ps = p * up
+        ps = p * p_down * up                # V's shift undone (2^-S, exact)
         qq = q * up * up
         qqs = qs * up * up
         yy = y1 * up * up
@@ -336,8 +336,9 @@ class Encoding:
     parts of s 2^-E), W (K, VW) (x 2^-2E, s^2 2^-2E, 1, rounded up), and B's statistics
     (``BLOCK_FIELDS``: E, x1, nu, low, finite), from ``stats.operand_stats`` in float64."""
 
-    def __init__(self, v, w, blk, nparts):
+    def __init__(self, v, w, blk, nparts, shift=0):
         self.v, self.w, self.blk, self.nparts = v, w, blk, nparts
+        self.shift = shift                  # V holds s 2^(S - E) (``prepass.chk_shift``)
 
 
 def _round_up(x, dtype):
@@ -356,9 +357,10 @@ def encode(b):
     E = float(st.E[0])
     nparts = _prepass.parts_for(b.dtype, False)
     s = st.s[0]                                              # sum_j b_kj 2^-E, float64
+    shift = _prepass.chk_shift(b.dtype, n)
     pdt = b.dtype
     v = torch.zeros(k, VW, dtype=pdt, device=b.device)
-    rest = s
+    rest = s * 2.0 ** shift                                  # exact
     for i in range(nparts):
         part = rest.to(pdt)
         v[:, i] = part
@@ -372,7 +374,7 @@ def encode(b):
     w[:, W_ONE] = 1.0
     blk = torch.tensor([E, float(st.x1[0]), float(st.nu[0]), float(st.block_low()[0]),
                         float(st.block_finite()[0])], dtype=torch.float32, device=b.device)
-    return Encoding(v, w, blk, nparts)
+    return Encoding(v, w, blk, nparts, shift)
 
 
 def accumulation(k, dtype, bk, tn):
@@ -434,12 +436,12 @@ def launch(a, b, enc, check, inject_kind=0, inject_at=(-1, -1, 0, 0), inject_val
     acc, chk = accumulation(k, a.dtype, bk, tn)
     u = T.units(a.dtype, check=torch.float32, stored=False, flush=dev.type == "cuda")
     coef = T.pack(T.coefficients(u, k=k, bs=n, acc=acc, chk=chk,
-                                 split=_prepass.split_error(a.dtype, False), parts=enc.nparts), device=dev)
+                                 split=_prepass.split_error(a.dtype, False, n), parts=enc.nparts), device=dev)
     # a square below float32's normal range may be lost (flushed) from each of the K products:
     # at most the smallest normal times W's largest entry (x <= N, s^2 <= N^2 in B's units)
     tiny = k * torch.finfo(torch.float32).tiny
     verify_args = (part, enc.blk, coef, ratio, sums, verdict, m, tn, 1.0 + STAT_SLACK,
-                   tiny * n, tiny * n * n, tiny)
+                   tiny * n, tiny * n * n, tiny, 2.0 ** -enc.shift)
     bt = triton.next_power_of_2(tn)
     verify_meta = dict(BLOCK_R=max(1, min(VERIFY["BLOCK_R"], rows, VERIFY["CELLS"] // bt)),
                        BLOCK_T=bt, ROWS=rows)

@@ -16,10 +16,12 @@ collects the round-off of
 3. tf32 rounding of the inputs: variance (2/3) u_tf^2 Q;
 4. the check's own arithmetic in its unit u_chk (the reference: float64; the kernel: float32): the
    predicted dot product (the same model, magnitude Qs = sum_k s_k^2 y_kj^2; with a directed
-   allowance when it runs on the tensor cores), the sum of the bs values of C, and the sums s_k
-   (and eta, the error of their split into parts the tensor cores multiply, variance
-   eta^2/3 sum_k y_kj^2: 2^eta_log2 in the block's scaled units, or in natural units when
-   ``eta_absolute``, then 2^(eta_log2 - E));
+   allowance when it runs on the tensor cores), the sum of the bs values of C, and the sums s_k;
+   in the fused kernels also eta, the error of their split into parts the tensor cores multiply
+   (2^eta_log2 in the block's scaled units, or in natural units when ``eta_absolute``, then
+   2^(eta_log2 - E)), bounded deterministically: eta sum_k |y_kj| <= eta sqrt(K y1). Not a
+   random model: checksums that are equal (or that fall between the same two points of fp16's
+   subnormal grid) round the same way at every k, and their errors add up;
 5. underflow, bounded deterministically: eta_acc per product term (half the smallest fp32 subnormal,
    or the smallest normal where products are flushed to zero), eta_out per stored element, and
    subnormal inputs flushed to zero (bf16 on CPUs); in the fused kernels, eta_acc also per product
@@ -62,8 +64,7 @@ any nonzero block and column, so a threshold never collapses to its floor.
 For K <= SMALL_K the threshold is capped by the deterministic worst-case bound built from the exact
 T = sum_i sum_k |x_ik| |y_kj| (cheap at small K), an addend's magnitudes (a GEMM may start its
 accumulator at the addend: every step then rounds at its size), plus the underflow allowance
-(term 5) and, in the fused kernels, the checksums' split error (term 4's eta, at most eta a
-checksum: eta sqrt(K y1)).
+(term 5) and, in the fused kernels, the checksums' split error (term 4's eta sqrt(K y1)).
 
 Products far below their running sum (a large addend the GEMM starts from, one large product
 among tiny ones) are lost with one sign; that is allowed only where a sum has failed, by the
@@ -311,10 +312,13 @@ def threshold(c, *, s1, s2, sa, pred, x1, xinf, xs1, xsinf, y1, yinf, nu, low, e
     # 0 * the largest of the skipped terms' operands (all >= 0) still does. (Skipped, eta is
     # 2^-1000: its square is 0.)
     skipped = []
-    eta = None
+    split = None
     if c.eta_log2 > -1000.0 or c.eta_absolute:
+        # the checksums' split error (``prepass.split_error``): at most eta a checksum, of one sign
+        # over every k where the checksums are equal, so deterministic: times |y_kj| summed over
+        # k, at most sqrt(K y1)
         eta = torch.exp2(torch.clamp(c.eta_log2 - c.eta_absolute * ex, min=-1000.0))
-        check = check + eta * eta / 3 * y1
+        split = eta * torch.sqrt(c.k * y1)
     else:
         skipped.append(y1)
     apred = pred.abs()
@@ -353,16 +357,16 @@ def threshold(c, *, s1, s2, sa, pred, x1, xinf, xs1, xsinf, y1, yinf, nu, low, e
     nout = c.bs if nsub is None else nsub
     uf = _underflow(c, ex, ey, x1, y1, nout, torch.exp2, torch.sqrt)
     thr = thr + uf
+    if split is not None:
+        thr = thr + split
     if c.cap and t is not None:
-        # the worst case holds the underflow too (a GEMM that flushes its subnormal products to
-        # zero is off by all of them, whatever t is)
+        # the worst case holds the underflow and the split error too (a GEMM that flushes its
+        # subnormal products to zero is off by all of them, whatever t is)
         w = c.w_t * t + c.w_sa * sa + uf
         if da is not None:
             w = w + (c.w_da + c.out_add) * da
-        if eta is not None:
-            # and the checksums' split error: at most eta a checksum (``prepass.split_error``),
-            # times |y_kj| summed over k, at most sqrt(K y1)
-            w = w + eta * torch.sqrt(c.k * y1)
+        if split is not None:
+            w = w + split
         thr = torch.minimum(thr, w * c.w_scale)
     return torch.clamp(thr, min=FLOOR)
 
@@ -481,8 +485,8 @@ if triton is not None:
         # a corrupted sum may overflow its square: clamped, a huge error stays an alarm
         check = c_p2 * tl.minimum(pred * pred, _BIG) + c_qs * qs \
             + nu * (c_s12 * tl.minimum(s1 * s1, _BIG) + c_s2 * s2 + c_q * q)
-        eta = pow2_tl(eta_log2 - eta_absolute * ex)       # clamped below at 2^-126: its square is 0
-        check += eta * eta / 3 * y1
+        # the checksums' split error, deterministic (``threshold``); eta clamped below at 2^-126
+        split = pow2_tl(eta_log2 - eta_absolute * ex) * tl.sqrt(k * y1)
         thr = lam * tl.sqrt(nu * prod + check) + bias * tl.abs(pred)
         thr = thr + directed * (0.5 * tl.abs(pred) + tl.sqrt(q / 3))
         thr = thr + directed_chk * (0.5 * tl.abs(pred) + tl.sqrt(qs / 3))
@@ -495,6 +499,7 @@ if triton is not None:
         # smallest normal, and 0 * inf (no flush) made the threshold NaN, then the floor
         uf += (ftz * pow2_tl(-ex)) * bs * tl.sqrt(k * y1) + (ftz * pow2_tl(-ey)) * tl.sqrt(bs * k * x1)
         thr = thr + uf
-        if CAP:       # (with the checksums' split error, eta a checksum: ``threshold``)
-            thr = tl.minimum(thr, (w_t * t + w_sa * sa + uf + eta * tl.sqrt(k * y1)) * w_scale)
+        thr = thr + split
+        if CAP:
+            thr = tl.minimum(thr, (w_t * t + w_sa * sa + uf + split) * w_scale)
         return tl.maximum(thr, _FLOOR)

@@ -158,7 +158,7 @@ def checked_gemm_kernel(
     GROUP_M: tl.constexpr, A_VEC: tl.constexpr, B_VEC: tl.constexpr,
     HAS_ADD: tl.constexpr, SCALED: tl.constexpr, CHECK: tl.constexpr, INJECT: tl.constexpr,
     DOT_FP32: tl.constexpr, ALLOW_TF32: tl.constexpr, TF32_EMU: tl.constexpr, CAP: tl.constexpr,
-    SUMS: tl.constexpr, ROUND_OUT: tl.constexpr,
+    SUMS: tl.constexpr, ROUND_OUT: tl.constexpr, SHIFT_A: tl.constexpr, SHIFT_B: tl.constexpr,
 ):
     DM: tl.constexpr = BLOCK_M - RA
     DN: tl.constexpr = BLOCK_N - RB
@@ -268,14 +268,15 @@ def checked_gemm_kernel(
         # the data elements (the accumulator is 0 in rows past M and columns past N: loads of 0)
         d_ok = (i < DM)[:, None] & (j < DN)[None, :]
         s_t = pow2_tl(-(e_p + f_q))
-        # the parts are the checksums in units of 2^E_p (2^F_q): to the column's (row's) units by
-        # 2^-F_q (2^-E_p), as two factors that stay in float32's range for any finite operand
-        # (times_pow2_tl)
+        # the parts are the checksums in units of 2^(E_p - SHIFT_A) (2^(F_q - SHIFT_B): fp16's are
+        # shifted, ``prepass.chk_shift``): to the column's (row's) units by 2^-(F_q + SHIFT_A)
+        # (2^-(E_p + SHIFT_B)), as two factors that stay in float32's range for any finite
+        # operand (times_pow2_tl)
         # the column sums go through the scratch (L2) and come back one column per thread; one
         # sum at a time (the barriers keep their partial sums from being live together). Squares
         # of a corrupted accumulator may overflow: clamped, a huge error stays an alarm.
         ws = ws_ptr + ((pid_b * TM + pid_m) * TN + pid_n) * (4 * BLOCK_N)
-        tl.store(ws + 3 * BLOCK_N + j, times_pow2_tl(tl.sum(tl.where(ck_m[:, None], acc, 0.0), 0), -f_q))
+        tl.store(ws + 3 * BLOCK_N + j, times_pow2_tl(tl.sum(tl.where(ck_m[:, None], acc, 0.0), 0), -f_q - SHIFT_A))
         tl.debug_barrier()
         tl.store(ws + j, tl.sum(tl.where(d_ok, acc * s_t, 0.0), 0))
         tl.debug_barrier()
@@ -289,7 +290,7 @@ def checked_gemm_kernel(
         z4 = tl.where(d_ok, acc * (s_t * 0.0625), 0.0)
         s2_r = tl.minimum(tl.minimum(tl.sum(z4 * z4, 1), big / 256) * 256 * up_r * up_r, big)
         sa_r = tl.sum(tl.where(d_ok, tl.abs(acc) * (s_t * 0.03125), 0.0), 1) * 32 * up_r
-        p_r = times_pow2_tl(tl.sum(tl.where(ck_n[None, :], acc, 0.0), 1), -e_p) * up_r
+        p_r = times_pow2_tl(tl.sum(tl.where(ck_n[None, :], acc, 0.0), 1), -e_p - SHIFT_B) * up_r
         jc = tl.arange(0, BLOCK_N)
         rc_n = pid_n * DN + jc
         nc_ok = (jc < DN) & (rc_n < N)
@@ -527,7 +528,9 @@ def launch(a3, b3, addend, pa, pb, ar, ab, br, bb, coef, alpha, beta, bm, bn, ra
                 HAS_ADD=addend is not None, SCALED=alpha != 1.0, CHECK=check, INJECT=inject_kind,
                 DOT_FP32=_configs.interpreting() and a3.dtype == torch.bfloat16,
                 ALLOW_TF32=tf32, TF32_EMU=tf32_emulation, CAP=check and k <= T.SMALL_K,
-                SUMS=sums, ROUND_OUT=_configs.interpreting() and a3.dtype == torch.bfloat16)
+                SUMS=sums, ROUND_OUT=_configs.interpreting() and a3.dtype == torch.bfloat16,
+                SHIFT_A=_prepass.chk_shift(a3.dtype, bm - ra) if check else 0,
+                SHIFT_B=_prepass.chk_shift(a3.dtype, bn - rb) if check else 0)
     return (c, verdict, rr, rc, sr, sc), (tm * tn, bt), args, meta
 
 
@@ -662,10 +665,10 @@ def checked_gemm(a, b, bias=None, *, addend=None, alpha=1.0, beta=1.0, tiles=Non
         u = T.units(a.dtype, check=torch.float32, tf32=lay.tf32, stored=False,
                     flush=a.device.type == "cuda")
         acc = accumulation(k, a.dtype, lay.tf32, bk)
-        split = _prepass.split_error(a.dtype, lay.tf32)
-        kw = dict(k=k, acc=acc, chk=acc, lam=lam, split=split, parts=lay.nparts)
-        coef = T.pack(T.coefficients(u, bs=bm - lay.ra, **kw), T.coefficients(u, bs=bn - lay.rb, **kw),
-                      device=a.device)
+        kw = dict(k=k, acc=acc, chk=acc, lam=lam, parts=lay.nparts)
+        # each side's sums with its own checksums' split error (blocks of its data rows)
+        coef = T.pack(*(T.coefficients(u, bs=dm, split=_prepass.split_error(a.dtype, lay.tf32, dm), **kw)
+                        for dm in (bm - lay.ra, bn - lay.rb)), device=a.device)
         pa, pb = pre_a.parts, pre_b.parts
         ar, ab, br, bb = pre_a.rows, pre_a.blocks, pre_b.rows, pre_b.blocks
     else:

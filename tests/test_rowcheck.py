@@ -115,18 +115,17 @@ def test_the_threshold_is_the_models():
                               -(-b.shape[1] // R.INTERPRET_CONFIG["BLOCK_N"]))
     u = T.units(a.dtype, check=torch.float32, stored=False, flush=False)
     cf = T.coefficients(u, k=a.shape[1], bs=b.shape[1], acc=acc, chk=chk,
-                        split=R._prepass.split_error(a.dtype, False), parts=enc.nparts)
+                        split=R._prepass.split_error(a.dtype, False, b.shape[1]), parts=enc.nparts)
     e_i = torch.floor(torch.log2(torch.sqrt(y1))) + 1
     sc = torch.exp2(-(E + e_i))
     s1, s2, pred = C.sum(1) * sc, (C * C).sum(1) * sc * sc, (A @ s) * sc
     qq, qqs = q * sc * sc, qs * sc * sc
     yy = y1 * torch.exp2(-2 * e_i)
     prod = cf.p_s2 * s2 + cf.p_q * qq
-    check = cf.c_p2 * pred ** 2 + cf.c_qs * qqs + cf.c_s12 * s1 ** 2 + cf.c_s2 * s2 + cf.c_q * qq \
-        + 2.0 ** (2 * cf.eta_log2) / 3 * yy
+    check = cf.c_p2 * pred ** 2 + cf.c_qs * qqs + cf.c_s12 * s1 ** 2 + cf.c_s2 * s2 + cf.c_q * qq
     thr = cf.lam * torch.sqrt(float(enc.blk[R.BLK_NU]) * prod + check) + cf.bias * pred.abs()
     thr = thr + (cf.bs * cf.k * cf.eta_acc) * torch.exp2(-(E + e_i)) \
-        + (cf.k * cf.chk_parts * cf.eta_acc) * torch.exp2(-e_i)
+        + (cf.k * cf.chk_parts * cf.eta_acc) * torch.exp2(-e_i) + 2.0 ** cf.eta_log2 * torch.sqrt(cf.k * yy)
     got = sums["thr"].double() * sc
     assert torch.allclose(got, thr, rtol=0.03), (got / thr).tolist()
 

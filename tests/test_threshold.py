@@ -179,6 +179,37 @@ def test_triton_threshold_is_the_torch_threshold(k, dtype, flush):
                                       **{**f32, "t": f32["t"] * 1e9})).any()
 
 
+@pytest.mark.parametrize("k", [40, 1000])
+def test_the_split_error_is_allowed_as_errors_of_one_sign(k):
+    """The fused kernels' checksums are split with an error of at most eta each, of one sign at
+    every k where the checksums are equal: the threshold allows eta sum_k |y_kj| (at most
+    eta sqrt(K y1)), not a random walk's lam eta sqrt(y1 / 3) (2.7 times less at K = 1000). Sums
+    whose other terms are all tiny, in torch and in Triton; with the split and without it."""
+    from abft.kernels import threshold as T
+    g = torch.Generator().manual_seed(k)
+    n = 64
+    x = {f: v * 1e-12 if f in ("s1", "s2", "sa", "pred", "x1", "xinf", "xs1", "xsinf", "t") else v
+         for f, v in _random_sums(g, n, low_frac=0).items()}
+    x["nu"] = torch.ones(n, dtype=torch.float64)
+    u = T.units(torch.float16, check=torch.float32, stored=False)
+    eta_log2 = -25.0
+    with_split = T.coefficients(u, k=k, bs=32, acc=T.blocked(k, 32), split=(eta_log2, False))
+    without = T.coefficients(u, k=k, bs=32, acc=T.blocked(k, 32))
+    one_sign = 2.0 ** eta_log2 * torch.sqrt(k * x["y1"])
+    thr = T.threshold(with_split, **x)
+    assert (thr >= one_sign * (1 - 1e-6)).all()         # (the cap at K <= SMALL_K: times 1 - 8 u)
+    assert (thr - T.threshold(without, **x) >= one_sign * (1 - 1e-6)).all()
+    from abft.kernels import configs
+    if _run_threshold is None or (not configs.interpreting() and not torch.cuda.is_available()):
+        return
+    order = ("s1", "s2", "sa", "pred", "x1", "xinf", "xs1", "xsinf", "y1", "yinf", "nu", "low",
+             "ex", "ey", "t")
+    inp = torch.stack([x[f].double() for f in order]).float().contiguous()
+    out = torch.empty(n, dtype=torch.float32)
+    _run_threshold[(1,)](T.pack(with_split), inp, out, N=n, CAP=with_split.cap)
+    assert (out.double() >= one_sign * (1 - 1e-6)).all()
+
+
 @pytest.mark.parametrize("dist", ["gaussian", "llm_outliers", "rows_scaled", "few_values"])
 @pytest.mark.parametrize("k", [7, 300])
 def test_kernel_and_reference_thresholds_agree(dist, k):

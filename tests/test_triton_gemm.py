@@ -412,3 +412,29 @@ def test_a_checksum_split_into_subnormal_fp16_parts_does_not_alarm_at_small_k(tr
     c, verdict, _ = TG.checked_gemm(a, b, tiles=(32, 32))
     assert torch.equal(c, torch.matmul(a, b))
     assert not L.alarmed(verdict).any(), verdict
+
+
+@pytest.mark.parametrize("transpose", [False, True])
+def test_checksum_split_errors_of_one_sign_over_many_k_do_not_alarm(transpose):
+    """Above SMALL_K too: fp16 checksums whose split errs the same way at every k (here each
+    column's sum lies between 1.5 and 1.7 points of fp16's subnormal grid in the block's units,
+    beside one large value that sets the block's scale, so every one rounds up) put the
+    prediction off by eta sum_k |y_kj|, not by a random walk: a variance allowance (eta^2/3 y1)
+    gave ratios up to 2.7 at K = 512. Positive B: the errors add. The threshold now bounds the
+    split error deterministically, and fp16's parts are split 2^S above the block's units
+    (``prepass.chk_shift``), where these sums are normal numbers: the split is exact, the ratios
+    near 0 (0.62 with the bound alone, the parts unshifted)."""
+    g = torch.Generator().manual_seed(0)
+    k = 512
+    n = torch.randint(193, 219, (k,), generator=g).double()
+    a = (n * 2.0 ** -24).expand(16, k).clone()
+    a[0, 0] = 1024.0
+    a = a.half()
+    b = (0.5 + 0.5 * torch.rand(k, 16, generator=g, dtype=torch.float64)).half()
+    b[0, :] = 0
+    if transpose:
+        a, b = b.t().contiguous(), a.t().contiguous()
+    c, verdict, detail = TG.checked_gemm(a, b, tiles=(32, 32))
+    assert torch.equal(c, torch.matmul(a, b))
+    assert not L.alarmed(verdict).any(), verdict
+    assert max(float(d.abs().max()) for d in detail) < 0.05

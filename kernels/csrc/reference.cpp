@@ -1529,17 +1529,13 @@ static void thin_t(const T* b, i64 K, i64 N, i64 sk, i64 sn, const double* s, i6
 }
 
 // ---------------------------------------------------------------------------------------------
-// eta^2 / 3 of the threshold's eta term for a sum whose first side's exponent is ex (one exp2 for
+// eta of the checksums' split error for a sum whose first side's exponent is ex (one exp2 for
 // all the sums that share ex)
 static double eta_of(const double* c, double ex) {
     return std::exp2(std::max(c[ETA_LOG2] - c[ETA_ABSOLUTE] * ex, -1000.0));
 }
-static double eta2_of(const double* c, double ex) {
-    const double eta = eta_of(c, ex);
-    return eta * eta / 3;
-}
 
-// The thresholds of four checked sums (threshold.threshold, term for term; eta2 = eta2_of(c, ex))
+// The thresholds of four checked sums (threshold.threshold, term for term; eta = eta_of(c, ex))
 // that share the first side (x: a block of A's rows, or of B's columns) and differ in the second
 // (y) and their own sums, lane by lane (the uniform branches on the coefficients taken once)
 typedef long long m4 __attribute__((vector_size(32)));         // lane masks: -1 true, 0 false
@@ -1575,7 +1571,7 @@ static inline v4d times_pow2_4(v4d x, v4d e) {
 static inline __attribute__((always_inline)) v4d threshold4(const double* c, v4d s1, v4d s2, v4d sa,
                         v4d pred, double x1, double xinf, double xs1, double xsinf, v4d y1, v4d yinf,
                         double nu, m4 low, double ex, v4d ey, bool has_d, v4d d2, v4d da, bool has_t,
-                        v4d t, v4d nout, double eta2) {
+                        v4d t, v4d nout, double eta) {
     v4d q = nmin4(x1 * yinf, xinf * y1), qs = nmin4(xs1 * yinf, xsinf * y1);
     v4d prod = c[P_S2] * s2 + c[P_Q] * q;
     if (has_d) prod += c[P_D2] * d2;
@@ -1583,8 +1579,10 @@ static inline __attribute__((always_inline)) v4d threshold4(const double* c, v4d
                                                                     c[C_Q] * q);
     // a skipped term (coefficient 0) adds nothing where its operands are finite, NaN where not
     m4 bad = (m4)splat(0.0);
-    if (c[ETA_LOG2] > -1000.0 || c[ETA_ABSOLUTE] != 0) {
-        check += eta2 * y1;
+    const bool has_split = c[ETA_LOG2] > -1000.0 || c[ETA_ABSOLUTE] != 0;
+    v4d split = splat(0.0);
+    if (has_split) {
+        split = eta * sqrt4(c[KK] * y1);       // the checksums' split error, deterministic
     } else {
         bad |= ~fin4(y1);
     }
@@ -1617,11 +1615,11 @@ static inline __attribute__((always_inline)) v4d threshold4(const double* c, v4d
                         pow2_4(-ey) * std::sqrt(c[BS] * c[KK] * x1));
     if (c[CHK_PARTS] != 0) uf += times_pow2_4(splat(c[KK] * c[CHK_PARTS] * c[ETA_ACC]), -ey);
     thr += uf;
+    if (has_split) thr += split;
     if (c[CAP] != 0 && has_t) {
         v4d w = c[W_T] * t + c[W_SA] * sa + uf;
         if (has_d) w += (c[W_DA] + c[OUT_ADD]) * da;
-        if (c[ETA_LOG2] > -1000.0 || c[ETA_ABSOLUTE] != 0)     // the checksums' split error
-            w += eta_of(c, ex) * sqrt4(c[KK] * y1);
+        if (has_split) w += split;
         thr = nmin4(thr, w * c[W_SCALE]);
     }
     return sel(thr < splat(FLOOR), splat(FLOOR), thr);
@@ -2145,7 +2143,7 @@ static void check_t(CheckArgs g) {
     // (x: x1, xinf, xs1, xsinf times alpha^2; nu, its exponent ex, its low-entropy flag)
     auto four = [&](const double* coef, const double* zs, const double* preds, const double* ts,
                     double* res_out, double* thr_out, const i64* o, const Side& ys, const i64* y, int n,
-                    const double* x, double nu, double ex, bool xlow, double eta2) {
+                    const double* x, double nu, double ex, bool xlow, double eta) {
         auto at = [&](const double* v, const i64* ix) { return (v4d){v[ix[0]], v[ix[1]], v[ix[2]], v[ix[3]]}; };
         auto lane = [&](int f) {
             return (v4d){zs[o[0] * nz + f], zs[o[1] * nz + f], zs[o[2] * nz + f], zs[o[3] * nz + f]};
@@ -2160,7 +2158,7 @@ static void check_t(CheckArgs g) {
         const v4d thr = threshold4(coef, s1, lane(1), lane(2), pred, x[0], x[1], x[2], x[3], at(ys.r1, y),
                                    at(ys.rinf, y), nu, low, ex, at(ys.e, y), has_d,
                                    has_d ? lane(6) : splat(0.0), has_d ? lane(7) : splat(0.0), g.cap != 0, t,
-                                   half ? lane(4) : splat(coef[BS]), eta2);
+                                   half ? lane(4) : splat(coef[BS]), eta);
         for (int l = 0; l < n; l++) {
             res_out[o[l]] = res[l];
             thr_out[o[l]] = thr[l];
@@ -2179,8 +2177,8 @@ static void check_t(CheckArgs g) {
                 a_low |= g.A.low[b * M + i] != 0;
             }
             const i64 pa = b * TM + p;
-            const double eta_c = eta2_of(g.coef_c, EA[p]);
-            for (i64 q = 0; q < TN; q++) eta_r[q] = eta2_of(g.coef_r, FB[q]);
+            const double eta_c = eta_of(g.coef_c, EA[p]);
+            for (i64 q = 0; q < TN; q++) eta_r[q] = eta_of(g.coef_r, FB[q]);
             const double xa[4] = {g.A.x1[pa] * a2, g.A.xinf[pa] * a2, g.A.xs1[pa] * a2, g.A.xsinf[pa] * a2};
             double* rcp = g.res_c + (b * TM + p) * N;
             double* tcp = g.thr_c + (b * TM + p) * N;
