@@ -47,24 +47,26 @@ _RF, _BF = tl.constexpr(ROW_FIELDS), tl.constexpr(BLOCK_FIELDS)
 
 
 def chk_shift(dtype, dm):
-    """S: fp16 checksums are split in units of 2^(E - S), not 2^E. In the block's units a
-    checksum is below dm (every scaled value is below 1), so dm 2^S <= 2^15 keeps its parts in
-    fp16's range, and the last part's subnormal grid (its floor of precision, ``split_error``)
-    is 2^S finer than in the block's units; the main kernels divide the prediction by 2^S. 0 for
-    the other dtypes (bf16's range needs no shift; fp32 and tf32 parts are not subnormal)."""
+    """S: fp16 checksums of blocks of ``dm`` rows are split in units of 2^(E - S), not 2^E. In
+    the block's units a checksum is below dm (every scaled value is below 1), so dm 2^S <= 2^15
+    keeps its parts in fp16's range, and the last part's subnormal grid (its floor of precision,
+    ``split_error``) is 2^S finer than in the block's units (S < 0 past 2^15 rows: coarser, in
+    range); the main kernels divide the prediction by 2^S. 0 for the other dtypes (bf16's range
+    needs no shift; fp32 and tf32 parts are not subnormal)."""
     if dtype != torch.float16:
         return 0
-    return max(0, 15 - math.ceil(math.log2(max(int(dm), 1))))
+    return 15 - math.ceil(math.log2(max(int(dm), 1)))
 
 
-def split_error(dtype, tf32=False, dm=1):
+def split_error(dtype, tf32=False, shift=0):
     """(log2 of eta, absolute): how far the parts may be from the checksum they split, in the
     block's units (the checksum times 2^-E): half the last part's subnormal grid, 2^-134 (bf16),
-    2^-(25 + S) (fp16 in blocks of ``dm`` rows, ``chk_shift``), 2^-150 (tf32 and fp32). At most
-    eta a checksum, of one sign where the checksums are equal (``threshold``: deterministic).
-    Scaled units: the verdict stays invariant when an operand is scaled by a power of two."""
+    2^-(25 + shift) (fp16 split ``shift`` binades above the block's units, ``chk_shift``),
+    2^-150 (tf32 and fp32). At most eta a checksum, of one sign where the checksums are equal
+    (``threshold``: deterministic). Scaled units: the verdict stays invariant when an operand is
+    scaled by a power of two."""
     if dtype == torch.float16:
-        return -25.0 - chk_shift(dtype, dm), False
+        return -25.0 - shift, False
     if dtype == torch.bfloat16:
         return -134.0, False
     return -150.0, False

@@ -6,8 +6,8 @@ Design (against the tile-riding kernel of ``kernels/triton_gemm.py``):
   per call: the K loop is the unchecked loop, plus, on its share of the steps, the slice below.
 - **The prediction on the tensor cores, spread over the row of tiles.** The check of row i is
   sum_j C_ij = sum_k A_ik s_k, s_k = sum_j B_kj (one group of columns: all N). s in units of 2^-E
-  (E: B's exponent, ``stats.operand_stats``), split into parts of the operand's dtype that the
-  tensor cores multiply exactly, is the first columns of V (K x 8, kept per weight version like
+  (E: B's exponent, ``stats.operand_stats``; fp16's 2^S finer, ``prepass.chk_shift``), split into
+  parts of the operand's dtype that the tensor cores multiply exactly, is the first columns of V (K x 8, kept per weight version like
   the tile kernel's pre-pass of a weight). The TN CTAs of a row of tiles share the work: CTA n
   multiplies its A tiles by V's slice on its share of the K steps, so A.V is computed once per
   row of tiles, from A tiles already in shared memory, and A is never read again. The share is a
@@ -333,7 +333,7 @@ def row_verify_kernel(
 
 class Encoding:
     """What a row check needs of B (K, N), kept per weight version: V (K, VW) in B's dtype (the
-    parts of s 2^-E), W (K, VW) (x 2^-2E, s^2 2^-2E, 1, rounded up), and B's statistics
+    parts of s 2^(S - E), S = ``shift``), W (K, VW) (x 2^-2E, s^2 2^-2E, 1, rounded up), and B's statistics
     (``BLOCK_FIELDS``: E, x1, nu, low, finite), from ``stats.operand_stats`` in float64."""
 
     def __init__(self, v, w, blk, nparts, shift=0):
@@ -436,7 +436,8 @@ def launch(a, b, enc, check, inject_kind=0, inject_at=(-1, -1, 0, 0), inject_val
     acc, chk = accumulation(k, a.dtype, bk, tn)
     u = T.units(a.dtype, check=torch.float32, stored=False, flush=dev.type == "cuda")
     coef = T.pack(T.coefficients(u, k=k, bs=n, acc=acc, chk=chk,
-                                 split=_prepass.split_error(a.dtype, False, n), parts=enc.nparts), device=dev)
+                                 split=_prepass.split_error(a.dtype, False, enc.shift), parts=enc.nparts),
+                    device=dev)
     # a square below float32's normal range may be lost (flushed) from each of the K products:
     # at most the smallest normal times W's largest entry (x <= N, s^2 <= N^2 in B's units)
     tiny = k * torch.finfo(torch.float32).tiny

@@ -486,6 +486,7 @@ if triton is not None:
         check = c_p2 * tl.minimum(pred * pred, _BIG) + c_qs * qs \
             + nu * (c_s12 * tl.minimum(s1 * s1, _BIG) + c_s2 * s2 + c_q * q)
         # the checksums' split error, deterministic (``threshold``); eta clamped below at 2^-126
+        # (bf16's 2^-134, fp32's 2^-150, none's 2^-1000: at most 2^-126 K, below FLOOR)
         split = pow2_tl(eta_log2 - eta_absolute * ex) * tl.sqrt(k * y1)
         thr = lam * tl.sqrt(nu * prod + check) + bias * tl.abs(pred)
         thr = thr + directed * (0.5 * tl.abs(pred) + tl.sqrt(q / 3))

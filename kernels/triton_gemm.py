@@ -263,7 +263,7 @@ def checked_gemm_kernel(
         # powers of two: the same numbers as scaling each element, while E_p + F_q is within
         # float32's exponents and no row or column is more than 2^60 below its block's largest
         # (else the tile is left unverified, below). The predictions are the tensor cores' products
-        # of the checksum parts, in units of 2^E_p and 2^F_q.
+        # of the checksum parts, in units of 2^(E_p - SHIFT_A) and 2^(F_q - SHIFT_B).
         big = 3.4028234663852886e38
         # the data elements (the accumulator is 0 in rows past M and columns past N: loads of 0)
         d_ok = (i < DM)[:, None] & (j < DN)[None, :]
@@ -667,8 +667,9 @@ def checked_gemm(a, b, bias=None, *, addend=None, alpha=1.0, beta=1.0, tiles=Non
         acc = accumulation(k, a.dtype, lay.tf32, bk)
         kw = dict(k=k, acc=acc, chk=acc, lam=lam, parts=lay.nparts)
         # each side's sums with its own checksums' split error (blocks of its data rows)
-        coef = T.pack(*(T.coefficients(u, bs=dm, split=_prepass.split_error(a.dtype, lay.tf32, dm), **kw)
-                        for dm in (bm - lay.ra, bn - lay.rb)), device=a.device)
+        coef = T.pack(*(T.coefficients(u, bs=dm, split=_prepass.split_error(
+            a.dtype, lay.tf32, _prepass.chk_shift(a.dtype, dm)), **kw) for dm in (bm - lay.ra, bn - lay.rb)),
+            device=a.device)
         pa, pb = pre_a.parts, pre_b.parts
         ar, ab, br, bb = pre_a.rows, pre_a.blocks, pre_b.rows, pre_b.blocks
     else:

@@ -115,7 +115,7 @@ def test_the_threshold_is_the_models():
                               -(-b.shape[1] // R.INTERPRET_CONFIG["BLOCK_N"]))
     u = T.units(a.dtype, check=torch.float32, stored=False, flush=False)
     cf = T.coefficients(u, k=a.shape[1], bs=b.shape[1], acc=acc, chk=chk,
-                        split=R._prepass.split_error(a.dtype, False, b.shape[1]), parts=enc.nparts)
+                        split=R._prepass.split_error(a.dtype, False, enc.shift), parts=enc.nparts)
     e_i = torch.floor(torch.log2(torch.sqrt(y1))) + 1
     sc = torch.exp2(-(E + e_i))
     s1, s2, pred = C.sum(1) * sc, (C * C).sum(1) * sc * sc, (A @ s) * sc

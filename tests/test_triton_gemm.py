@@ -392,21 +392,25 @@ def test_huge_accumulator_fault_is_an_alarm_not_unverified():
     assert (int(t[L.ROW]), int(t[L.COL])) == (3, 31)
 
 
+@pytest.mark.parametrize("k", [2, 40, 64])
 @pytest.mark.parametrize("transpose", [False, True])
-def test_a_checksum_split_into_subnormal_fp16_parts_does_not_alarm_at_small_k(transpose):
-    """fp16 checksums are split into fp16 parts in their block's units; a column whose sum is
-    small beside the block's largest value falls to fp16's subnormal grid there and errs by up
-    to half of it (``prepass.split_error``: 2^-25 of the block's scale). At K <= SMALL_K the
+def test_a_checksum_split_into_subnormal_fp16_parts_does_not_alarm_at_small_k(transpose, k):
+    """fp16 checksums are split into fp16 parts in units 2^S finer than their block's
+    (``prepass.chk_shift``; S = 10 for these blocks of 29 rows); a column whose sum is small
+    beside the block's largest value falls to fp16's subnormal grid there and errs by up to half
+    of it (``prepass.split_error``: 2^-(25 + S) of the block's scale). At K <= SMALL_K the
     threshold is capped by the worst case, which must count that error too. Found by
-    ``fuzzcheck.py --family kernel --seed 20000000`` (seed 20001383: ratios up to 620): here
-    column 1's sum, 1.5 2^-24 in the block's units, rounds to 2^-23, and every column sum of C
-    reads 2^-14 off its prediction. With ``transpose`` the same for a row sum (B's checksum)."""
-    m, k = 16, 2
+    ``fuzzcheck.py --family kernel --seed 20000000`` (seed 20001383: ratios up to 620). Here row
+    1 sums every column to 3 2^-24, 1.5 points of the grid in the shifted units: each rounds up
+    by half a point, and every column sum of C reads off its prediction by k - 1 times that
+    (ratios 0.71-0.99 with the allowance, 4e4-1e5 without). With ``transpose`` the same for a
+    row sum (B's checksum)."""
+    m = 16
     a = torch.zeros(m, k, dtype=torch.float16)
     a[0, 0] = 1024.0                       # the block's scale: 2^11
-    a[:, 1] = 1.5 * 2.0 ** -17             # sums to 1.5 2^-13 (1.5 2^-24 in the block's units)
-    b = torch.zeros(k, 16, dtype=torch.float16)
-    b[1, :] = 1.0
+    a[1, :] = 3 * 2.0 ** -24
+    b = torch.ones(k, 16, dtype=torch.float16)
+    b[0, :] = 0
     if transpose:                          # C^T = B^T A^T: the same numbers in the row sums
         a, b = b.t().contiguous(), a.t().contiguous()
     c, verdict, _ = TG.checked_gemm(a, b, tiles=(32, 32))
