@@ -5,11 +5,11 @@ For the rows of x (..., R, K) (the rows of A, or of B^T: the columns of B) and b
 
 - the checksum of the block, s_k = sum_i x_ik 2^-E in fp32 (in the block's scale, so its parts
   fit fp16's range and keep their precision at any scale; fp16's times 2^S, ``chk_shift``), split
-  into ``parts`` values in the operand's dtype (hi, mid, lo: bf16 keeps 8
-  bits a part and fp16 11, so three parts carry fp32's 24; fp16's last part may be subnormal,
-  ``split_error``), which the main kernel's tensor cores multiply exactly; one fp32 part for fp32
-  operands (the dot is in fp32), three tf32 parts for tf32; ``pad`` - ``parts`` rows of zeros
-  after them where the main kernel needs a whole vector, stored K-contiguous or not;
+  into ``parts`` values in the operand's dtype (hi, mid, lo: bf16 keeps 8 bits a part and fp16
+  11, so three parts carry fp32's 24; fp16's last part may be subnormal, ``split_error``), which
+  the main kernel's tensor cores multiply exactly; one fp32 part for fp32 operands (the dot is in
+  fp32), three tf32 parts for tf32; ``pad`` - ``parts`` rows of zeros after them where the main
+  kernel needs a whole vector, stored K-contiguous or not;
 - the statistics of ``stats.operand_stats``, the same quantities in float32 (the reference computes
   them in float64): per row the exponent e_i of max_k |x_ik|, the 1- and inf-norms of (x 2^-e_i)^2,
   the low-entropy flag; per block the exponent E, the norms of sum_i (x 2^-E)^2 and of (s 2^-E)^2,

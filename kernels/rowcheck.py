@@ -7,8 +7,8 @@ Design (against the tile-riding kernel of ``kernels/triton_gemm.py``):
 - **The prediction on the tensor cores, spread over the row of tiles.** The check of row i is
   sum_j C_ij = sum_k A_ik s_k, s_k = sum_j B_kj (one group of columns: all N). s in units of 2^-E
   (E: B's exponent, ``stats.operand_stats``; fp16's 2^S finer, ``prepass.chk_shift``), split into
-  parts of the operand's dtype that the tensor cores multiply exactly, is the first columns of V (K x 8, kept per weight version like
-  the tile kernel's pre-pass of a weight). The TN CTAs of a row of tiles share the work: CTA n
+  parts of the operand's dtype that the tensor cores multiply exactly, is the first columns of V
+  (K x 8, kept per weight version like the tile kernel's pre-pass of a weight). The TN CTAs of a row of tiles share the work: CTA n
   multiplies its A tiles by V's slice on its share of the K steps, so A.V is computed once per
   row of tiles, from A tiles already in shared memory, and A is never read again. The share is a
   contiguous run [n S, (n + 1) S) (S = ceil(steps / TN)) that CTA n takes first, in a loop of its
@@ -333,8 +333,8 @@ def row_verify_kernel(
 
 class Encoding:
     """What a row check needs of B (K, N), kept per weight version: V (K, VW) in B's dtype (the
-    parts of s 2^(S - E), S = ``shift``), W (K, VW) (x 2^-2E, s^2 2^-2E, 1, rounded up), and B's statistics
-    (``BLOCK_FIELDS``: E, x1, nu, low, finite), from ``stats.operand_stats`` in float64."""
+    parts of s 2^(S - E), S = ``shift``), W (K, VW) (x 2^-2E, s^2 2^-2E, 1, rounded up), and B's
+    statistics (``BLOCK_FIELDS``: E, x1, nu, low, finite), from ``stats.operand_stats`` in float64."""
 
     def __init__(self, v, w, blk, nparts, shift=0):
         self.v, self.w, self.blk, self.nparts = v, w, blk, nparts

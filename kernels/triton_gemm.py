@@ -276,7 +276,8 @@ def checked_gemm_kernel(
         # sum at a time (the barriers keep their partial sums from being live together). Squares
         # of a corrupted accumulator may overflow: clamped, a huge error stays an alarm.
         ws = ws_ptr + ((pid_b * TM + pid_m) * TN + pid_n) * (4 * BLOCK_N)
-        tl.store(ws + 3 * BLOCK_N + j, times_pow2_tl(tl.sum(tl.where(ck_m[:, None], acc, 0.0), 0), -f_q - SHIFT_A))
+        tl.store(ws + 3 * BLOCK_N + j,
+                 times_pow2_tl(tl.sum(tl.where(ck_m[:, None], acc, 0.0), 0), -f_q - SHIFT_A))
         tl.debug_barrier()
         tl.store(ws + j, tl.sum(tl.where(d_ok, acc * s_t, 0.0), 0))
         tl.debug_barrier()
