@@ -139,3 +139,44 @@ def _aliases(path, cache={}):
                     if a.name in MODS and a.asname:
                         out[a.asname] = a.name
     return cache[path]
+
+
+HERE = {folder: os.path.join(ROOT, folder) + os.sep for folder in PACKAGES.values()}
+
+
+def _from_root(code):
+    """``python -c code`` from the repository's root, the root on sys.path as it is there."""
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTHONSAFEPATH", "PYTHONPATH")}
+    return subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
+
+
+def test_transformers_llama_imports_from_the_repository_root():
+    """transformers 5.25 imports the ``kernels`` distribution; the root's kernels/ folder must not be
+    found in its place (``ImportError: cannot import name 'CUDAProperties'``)."""
+    pytest.importorskip("kernels", reason="the kernels distribution (transformers >= 5.25 needs it)")
+    r = _from_root("import kernels, transformers.models.llama.modeling_llama, abft.kernels\n"
+                   f"assert not kernels.__file__.startswith({HERE['kernels']!r}), kernels.__file__\n"
+                   f"assert abft.kernels.__file__.startswith({HERE['kernels']!r}), abft.kernels.__file__\n"
+                   "print('ok')")
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
+
+
+@pytest.mark.parametrize("folder", ["kernels", "eval", "bench"])
+def test_a_top_level_folder_is_not_importable_under_its_own_name(folder):
+    """``import eval`` from the root fails as it does elsewhere, or gives the installed
+    distribution of that name; never the folder (installed as abft.<folder>) or its modules."""
+    mods = [fn[:-3] for fn in os.listdir(os.path.join(ROOT, folder)) if fn.endswith(".py") and fn != "__init__.py"]
+    r = _from_root("import importlib, sys\n"
+                   f"for name in [{folder!r}] + [{folder!r} + '.' + m for m in {mods!r}]:\n"
+                   "    try:\n"
+                   "        m = importlib.import_module(name)\n"
+                   "    except ModuleNotFoundError:\n"
+                   "        continue\n"
+                   f"    assert not (getattr(m, '__file__', None) or '').startswith({HERE[folder]!r}), name\n"
+                   f"assert not any((getattr(m, '__file__', None) or '').startswith({HERE[folder]!r})\n"
+                   f"               for k, m in sys.modules.items() if k.split('.')[0] == {folder!r})\n"
+                   "print('ok')")
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-2000:]
