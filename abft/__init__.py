@@ -54,7 +54,7 @@ def margin(file=None):
     A ratio creeping toward 1 on clean data from step to step, or near 1 in a float32 output, is
     worth reporting with the shapes and dtype. Near 1 in a bf16/fp16 output, where one stored
     element carries a sum, is its rounding filling the deterministic part of the threshold
-    (README, "How close clean checks come"): that part cannot be exceeded."""
+    (docs/check.md, "How close clean checks come"): that part cannot be exceeded."""
     import sys
     _policy.resolve()
     rows = _policy.margins()

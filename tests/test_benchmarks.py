@@ -89,7 +89,7 @@ def test_fuzzcheck_refuses_bad_input_naming_the_field(argv, field, capsys):
 
 
 def test_fuzzcheck_against_another_tree_runs_as_a_script():
-    """``--against`` as the README runs scripts (PYTHONSAFEPATH=1, from the repository root): it
+    """``--against`` run as a script under PYTHONSAFEPATH=1, from the repository root: it
     imported fixedcost from a path that is not searched then."""
     import subprocess
     root = pathlib.Path(__file__).resolve().parents[1]
