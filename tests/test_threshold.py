@@ -7,7 +7,8 @@ import zlib
 import pytest
 import torch
 
-from stress import cases, operands, worst_case_bounds
+from stress import cases, operands
+from abft.kernels.naive import must_alarm, worst_case
 from abft.kernels.reference import check
 from abft.kernels import layout as L
 from abft.kernels.threshold import units
@@ -52,7 +53,7 @@ def test_no_false_alarm_fresh_seed(request):
 @pytest.mark.parametrize("case", CASES, ids=ID)
 def test_threshold_within_worst_case_bound(case):
     a, b, c, v, _, sums = _run(case, 0, 32, 32)
-    w_col, w_row = worst_case_bounds(a, b, c, 32, 32)
+    w_col, w_row = worst_case(a, b, c, 32, 32)
     # Both the bound here and the cap the check takes (K <= SMALL_K: its own worst case times
     # 1 - 8u) are sums of k + bs nonnegative float64 terms, added in different orders: each is
     # the bound to within (k + bs) u64 of it, so a capped threshold may sit that far above this
@@ -73,7 +74,7 @@ def test_error_above_worst_case_bound_detected_and_located(case):
         sign = 1 if torch.rand(1, generator=g).item() < 0.5 else -1
         a, b = operands(dist, m, k, n, dt, 0)
         c = a @ b
-        w_col, w_row = worst_case_bounds(a, b, c, bm, bn)
+        w_col, w_row = worst_case(a, b, c, bm, bn)
         w = max(w_col[i // bm, j].item(), w_row[i, j // bn].item())
         before = c[i, j].double().item()
         big = torch.finfo(dt).max / 2
@@ -87,6 +88,7 @@ def test_error_above_worst_case_bound_detected_and_located(case):
             c[i, j] = before + sign * 4 * w + sign * abs(before) * 2 ** -6
             moved = abs(c[i, j].double().item() - before)
         assert w < moved < float("inf")
+        assert must_alarm(a, b, c, bm, bn)[i // bm, j // bn]       # the oracle's verdict
         v, (rr, rc) = check(a, b, c, bm=bm, bn=bn, units=units(dt))
         t = v[i // bm, j // bn]
         assert t[L.ROW_RATIO] > 1 and t[L.COL_RATIO] > 1, f"{ID(case)}: missed an error of {moved:.3g} > bound {w:.3g}"

@@ -8,7 +8,7 @@ import torch
 triton = pytest.importorskip("triton")
 
 from stress import DISTRIBUTIONS, operands  # noqa: E402
-from abft.kernels import configs, layout as L  # noqa: E402
+from abft.kernels import configs, layout as L, naive  # noqa: E402
 from abft.kernels import threshold as T  # noqa: E402
 from abft.kernels import triton_gemm as TG  # noqa: E402
 
@@ -94,6 +94,26 @@ def test_no_false_alarm_on_the_stress_set(dist, k):
         worst = max(v[..., L.ROW_RATIO].max().item(), v[..., L.COL_RATIO].max().item())
         assert worst <= 1, f"{dist} K={k} {dt}: {worst}"
         assert (v[..., L.STATUS] == L.OK).all()
+
+
+@pytest.mark.parametrize("dist", ["gaussian", "all_positive", "llm_outliers", "cancellation", "rows_scaled"])
+@pytest.mark.parametrize("k", [64, 300])
+def test_an_error_above_the_naive_worst_case_is_caught_and_located(dist, k):
+    """``abft.kernels.naive``'s worst case bounds a clean sum's round-off, so an accumulator error
+    of twice it is a fault the kernel must alarm in its tile and locate (the kernel's thresholds
+    stay below the oracle's bound; the reference's gate is in test_threshold.py)."""
+    i, j = 40, 9
+    for dt in (torch.float32, torch.bfloat16, torch.float16):
+        a, b = operands(dist, 64, k, 64, dt, 0)
+        c, v, _ = TG.checked_gemm(a, b, tiles=(32, 32))
+        assert not L.alarmed(v).any()
+        dm, dn = TG.data_tiles(a, b, (32, 32))
+        wc, wr = naive.worst_case(a, b, c, dm, dn)
+        w = max(wc[i // dm, j].item(), wr[i, j // dn].item())
+        _, v1, _ = TG.checked_gemm(a, b, tiles=(32, 32), inject=dict(kind="add", row=i, col=j, value=2 * w))
+        assert L.alarmed(v1).nonzero().tolist() == [[i // dm, j // dn]], f"{DT(dt)}: an error of 2x the bound {w:.3g}"
+        t = v1[i // dm, j // dn]
+        assert (int(t[L.ROW]), int(t[L.COL])) == (i, j)
 
 
 def test_every_gpu_config_launches_once():
