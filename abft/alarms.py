@@ -2,6 +2,7 @@
 import json
 import os
 import threading
+import time
 from dataclasses import asdict, dataclass, field
 
 
@@ -75,6 +76,65 @@ class Alarm:
     def to_json(self):
         d = asdict(self)
         return json.dumps(d, default=str)
+
+
+# -- one factory per kind of alarm beyond the GEMMs' checksums ---------------------------------
+# Each takes what its detector knows; the fields a GEMM's alarm has and these kinds do not (tiles,
+# the product's shapes) are filled the same way for every kind here.
+
+def _made(kind, *, op, phase, module, scope, shape, dtype, residual, threshold=0.0, action="recorded",
+          block=1, tile=(), batch=(), row=None, col=None, call_id=-1, labels=None):
+    from abft.context import current_rank
+    return Alarm(op=op, phase=phase, module=module, step=scope.get("step"),
+                 micro_step=scope.get("micro_step"), replica=scope.get("replica"), rank=current_rank(),
+                 call_id=call_id, shapes=(tuple(shape),), dtype=str(dtype).replace("torch.", ""), bm=block,
+                 bn=1, tile=tuple(tile), batch=tuple(batch), row=row, col=col, residual=float(residual),
+                 threshold=float(threshold), backend=kind, time=time.time(), kind=kind, action=action,
+                 labels=labels or {})
+
+
+def invariant_alarm(*, phase, module, scope, shape, batch, row, deviation, bound, action, rows):
+    """A softmax invariant broken (``abft.attention``): row ``row`` of batch ``batch`` of scores of
+    ``shape`` deviates by ``deviation`` from its invariant, beyond ``bound``; ``rows`` rows did."""
+    return _made("invariant", op="softmax", phase=phase, module=module, scope=scope, shape=shape,
+                 dtype="float64", batch=batch, row=row, residual=deviation, threshold=bound, action=action,
+                 labels={"rows": rows})
+
+
+def carry_alarm(*, op, phase, module, scope, tensor, block, index_block, batch, row, col, delta, action,
+                labels):
+    """A product's output or operand changed in memory after it was fingerprinted
+    (``abft.carry``): block ``index_block`` of ``block`` words of ``tensor``, the element at
+    (batch, row, col) where located, ``delta`` its sums' change."""
+    return _made("carry", op=op, phase=phase, module=module, scope=scope, shape=tensor.shape,
+                 dtype=tensor.dtype, block=block, tile=(index_block,), batch=batch, row=row, col=col,
+                 residual=delta, action=action, labels=labels)
+
+
+def comm_alarm(*, op, module, scope, shape, dtype, block, index_block, call_id, row, col, residual, bound,
+               action, labels):
+    """A gradient changed by its collective (``abft.comm``): block ``index_block`` of ``block``
+    elements, of parameter ``module`` (shape ``shape``) where known, off by ``residual`` beyond
+    ``bound``."""
+    return _made("comm", op=op, phase="grad", module=module, scope=scope, shape=shape, dtype=dtype,
+                 block=block, tile=(index_block,), call_id=call_id, row=row, col=col, residual=residual,
+                 threshold=bound, action=action, labels=labels)
+
+
+def recompute_alarm(*, op, module, scope, tensor, batch, row, col, error, action, elements):
+    """A module's rerun gave other bits (``abft.recompute``): the first differing element, the
+    largest difference, and how many differ."""
+    return _made("recompute", op=op, phase="forward", module=module, scope=scope, shape=tensor.shape,
+                 dtype=tensor.dtype, batch=batch, row=row, col=col, residual=error, action=action,
+                 labels={"elements": elements})
+
+
+def rest_alarm(*, name, kind, scope, tensor, block, tile, row=None, col=None, residual, labels):
+    """Training state changed at rest (``abft.rest``): tensor ``name`` (``kind``: "param" or an
+    optimizer state's key), block ``tile`` of ``block`` words, the element where located."""
+    return _made("rest", op="rest", phase=kind, module=name, scope=scope, shape=tensor.shape,
+                 dtype=tensor.dtype, block=block, tile=tile, row=row, col=col, residual=residual,
+                 labels=labels)
 
 
 class SilentCorruptionError(RuntimeError):

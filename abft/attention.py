@@ -15,7 +15,6 @@ Rows that are not finite (fully masked, or non-finite scores) are not checked. A
 ``invariant``) names the module, the batch and head, and the row; the column is not located.
 Values and gradients are torch's (``torch.softmax`` and its own backward).
 """
-import time
 
 import torch
 
@@ -77,8 +76,8 @@ def check_backward(p, dp, ds, rs):
 
 def _report(bad, dev, bound, module, phase):
     """Alarms for the first rows of ``bad`` (at most 16; the count in labels)."""
-    from abft.alarms import Alarm, SilentCorruptionError
-    from abft.context import current, current_rank
+    from abft.alarms import SilentCorruptionError, invariant_alarm
+    from abft.context import current
     rows = bad.nonzero().tolist()
     if not rows:
         return []
@@ -90,15 +89,9 @@ def _report(bad, dev, bound, module, phase):
     for idx in rows[:16]:
         *batch, row = idx
         thr = float(bound[tuple(idx)])
-        found.append(Alarm(
-            op="softmax", phase=phase, module=module, step=labels.get("step"),
-            micro_step=labels.get("micro_step"), replica=labels.get("replica"),
-            rank=current_rank(), call_id=-1, shapes=(tuple(bad.shape),), dtype="float64",
-            bm=1, bn=1, tile=(), batch=tuple(batch), row=row, col=None,
-            residual=float(dev[tuple(idx)]), threshold=thr, backend="invariant",
-            time=time.time(), kind="invariant",
-            action=action,
-            labels={"rows": len(rows)}))
+        found.append(invariant_alarm(phase=phase, module=module, scope=labels, shape=bad.shape, batch=batch,
+                                     row=row, deviation=dev[tuple(idx)], bound=thr, action=action,
+                                     rows=len(rows)))
     policy.report(found, sc.log)
     if action == "raised":
         raise SilentCorruptionError(found[0])

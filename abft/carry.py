@@ -333,8 +333,7 @@ def _verify(entry):
 
 def _report(entry, alias, changed, block):
     from abft import policy, settings
-    from abft.alarms import Alarm
-    from abft.context import current_rank
+    from abft.alarms import carry_alarm
     pol = settings.get().policy
     labels = entry["labels"]
     found = []
@@ -347,13 +346,9 @@ def _report(entry, alias, changed, block):
                 *batch, row, col = idx
             elif idx:
                 row, col = 0, idx[0]
-        found.append(Alarm(
-            op=entry["op"], phase=entry["phase"], module=entry["module"], step=labels.get("step"),
-            micro_step=labels.get("micro_step"), replica=labels.get("replica"),
-            rank=current_rank(), call_id=-1, shapes=(tuple(alias.shape),),
-            dtype=str(alias.dtype).replace("torch.", ""), bm=block, bn=1, tile=(b,),
-            batch=tuple(batch), row=row, col=col, residual=float(delta), threshold=0.0,
-            backend="carry", time=time.time(), kind="carry",
+        found.append(carry_alarm(
+            op=entry["op"], phase=entry["phase"], module=entry["module"], scope=labels, tensor=alias,
+            block=block, index_block=b, batch=batch, row=row, col=col, delta=delta,
             action="warned" if pol == "warn" else "recorded",
             labels={"index": index, "blocks": len(changed), "read_by": entry.get("readers", [])}))
     policy.report(found, entry["log"])

@@ -297,8 +297,7 @@ class CommCheck:
 
     def _alarm(self, op, sc, out, ranks, spans, block, at, residual, bound):
         """A ``comm`` alarm for ``block`` of ``out``; ``at``: the located flat offset or None."""
-        from abft.alarms import Alarm
-        from abft.context import current_rank
+        from abft.alarms import comm_alarm
         labels = sc.labels
         first = block * self.block
         name, shape, index = None, (out.numel(),), None
@@ -310,16 +309,11 @@ class CommCheck:
         row = col = None
         if index is not None:
             row, col = divmod(index, shape[-1]) if len(shape) >= 2 else (0, index)
-        return Alarm(
-            op=op, phase="grad", module=name, step=labels.get("step"),
-            micro_step=labels.get("micro_step"), replica=labels.get("replica"),
-            rank=current_rank(), call_id=self.calls - 1, shapes=(tuple(shape),),
-            dtype=str(out.dtype).replace("torch.", ""), bm=self.block, bn=1, tile=(block,),
-            batch=(), row=row, col=col, residual=residual, threshold=bound, backend="comm",
-            time=time.time(), kind="comm",
+        return comm_alarm(
+            op=op, module=name, scope=labels, shape=shape, dtype=out.dtype, block=self.block,
+            index_block=block, call_id=self.calls - 1, row=row, col=col, residual=residual, bound=bound,
             action=policy.action(),
-            labels={"index": index, "offset": at if at is not None else first,
-                    "ranks": ranks})
+            labels={"index": index, "offset": at if at is not None else first, "ranks": ranks})
 
 
 def _reduce_scatter(out, inp, **kw):

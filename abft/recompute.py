@@ -129,8 +129,8 @@ class RecomputeCheck:
 
     def _alarm(self, mod, a, b, output):
         from abft import policy
-        from abft.alarms import Alarm, SilentCorruptionError
-        from abft.context import current, current_rank
+        from abft.alarms import SilentCorruptionError, recompute_alarm
+        from abft.context import current
         action = policy.action("corrected")
         sc = current()
         labels = sc.labels
@@ -149,14 +149,9 @@ class RecomputeCheck:
         finite = torch.isfinite(a) & torch.isfinite(b) if a.shape == b.shape else None
         err = float((a.double() - b.double()).abs()[finite].max()) \
             if finite is not None and bool(finite.any()) else float("nan")
-        alarm = Alarm(
-            op=type(mod).__name__, phase="forward", module=self.modules.get(id(mod)),
-            step=labels.get("step"), micro_step=labels.get("micro_step"),
-            replica=labels.get("replica"), rank=current_rank(), call_id=-1,
-            shapes=(tuple(a.shape),), dtype=str(a.dtype).replace("torch.", ""), bm=1, bn=1,
-            tile=(), batch=tuple(batch), row=row, col=col, residual=err, threshold=0.0,
-            backend="recompute", time=time.time(), kind="recompute", action=action,
-            labels={"elements": diff})
+        alarm = recompute_alarm(
+            op=type(mod).__name__, module=self.modules.get(id(mod)), scope=labels, tensor=a, batch=batch,
+            row=row, col=col, error=err, action=action, elements=diff)
         policy.report([alarm], sc.log)
         if action == "raised":
             raise SilentCorruptionError(alarm)

@@ -215,15 +215,8 @@ class RestCheck:
     def _alarm(self, name, kind, local, scope, **where):
         """A ``rest`` alarm on tensor ``name`` (``kind``: "param" or a state key), labelled by
         the ``scope`` labels; ``where``: tile, row, col, residual and the alarm's labels."""
-        from abft.alarms import Alarm
-        from abft.context import current_rank
-        return Alarm(
-            op="rest", phase=kind, module=name, step=scope.get("step"),
-            micro_step=scope.get("micro_step"), replica=scope.get("replica"),
-            rank=current_rank(), call_id=-1, shapes=(tuple(local.shape),),
-            dtype=str(local.dtype).replace("torch.", ""), bm=self.block, bn=1, batch=(),
-            threshold=0.0, backend="rest", time=time.time(), kind="rest", action="recorded",
-            **where)
+        from abft.alarms import rest_alarm
+        return rest_alarm(name=name, kind=kind, scope=scope, tensor=local, block=self.block, **where)
 
     def restore(self, alarms):
         """Write back the sealed bits of every located element in ``alarms``, then check its
