@@ -1,10 +1,11 @@
 """Checked products with torch's semantics: matmul, mm, bmm, addmm, baddbmm, linear.
 
 Each op puts its product in canonical form (a ``Problem``: c = alpha * a @ b + beta * addend)
-and ``run_checked`` checks it on its backend (``VERIFY``) under the current ``abft.scope`` labels,
-then ``policy.act`` carries out the ``abft.config`` policy. On the reference backend the torch op
-computes the result (values, shapes, broadcasting and errors are torch's) and the check follows;
-on the triton backend the fused kernel computes and checks it in one launch. With the kill switch
+and ``run_checked`` checks it on its backend (``abft.kernels.backends``) under the current
+``abft.scope`` labels, then ``policy.act`` carries out the ``abft.config`` policy. On a checking
+backend (the reference) the torch op computes the result (values, shapes, broadcasting and errors
+are torch's) and the check follows; on a computing backend (the fused kernel) the backend computes
+and checks it in one call. With the kill switch
 (``enabled=False`` or ``ABFT_DISABLE=1``) each op is the plain torch call.
 """
 import math
@@ -20,9 +21,9 @@ import torch.nn.functional as F
 from abft import settings as _config
 from abft import context, coverage, decompose, faults, policy
 from abft.decompose import rows2d
-from abft.kernels import backends, reference
+from abft.kernels import backends
 
-SUPPORTED = backends.DTYPES["reference"]
+SUPPORTED = backends.DTYPES[backends.REFERENCE]
 
 
 def _plain(fn):
@@ -45,8 +46,8 @@ class Problem:
     """One product in canonical form: c (..., M, N) = alpha * a (..., M, K) @ b (..., K, N)
     + beta * addend, and how to give the op's result and to compute it again.
 
-    ``backend`` says who computes and checks it (``verify``): "reference" (c computed by the torch
-    op, then checked) or "triton" (c is None until the fused kernel computes and checks it)."""
+    ``backend`` names who checks it (``abft.kernels.backends``): a checking backend checks c, which
+    the torch op computed; with a computing one c is None until the backend computes and checks it."""
     op: str
     a: torch.Tensor
     b: torch.Tensor
@@ -59,7 +60,7 @@ class Problem:
     b_stats: object = None             # kept statistics of b (a weight's: ``abft.weightcache``)
     finish: object = None              # c -> the op's result (None: c itself)
     again: object = None               # () -> this product computed afresh (None: it cannot be)
-    backend: str = "reference"
+    backend: str = backends.REFERENCE
 
     def __post_init__(self):
         self.alpha, self.beta = float(self.alpha), float(self.beta)
@@ -106,44 +107,43 @@ def _pending(pb, ctx, bm, bn, backend, verdict, detail, summary=None):
 _DTYPE_NAMES = {dt: str(dt).replace("torch.", "") for dt in SUPPORTED}
 
 
-def _verify_reference(pb, ctx, s):
-    """The fault hook on the computed product, then the reference check."""
+def _verify_checking(pb, ctx, s):
+    """The fault hook on the computed product, then its backend's check."""
     if faults.active():
         faults.apply(pb.c, ctx)
     return _check(pb, ctx, s)
 
 
-def reference_tiles(m, n, s=None):
-    """(bm, bn) of the reference check of an (m, n) product under the settings ``s`` (the
+def reference_tiles(m, n, s=None, backend=backends.REFERENCE):
+    """(bm, bn) of a checking backend's check of an (m, n) product under the settings ``s`` (the
     current ones by default): the configured tiles, else the backend's, clipped to the product."""
-    bm, bn = (s or _config.get()).tiles or backends.REFERENCE_TILES
+    bm, bn = (s or _config.get()).tiles or backends.get(backend).tiles
     return max(1, min(bm, m)), max(1, min(bn, n))
 
 
 def _check(pb, ctx, s):
-    """The reference check of pb.c (a pending verdict)."""
-    bm, bn = reference_tiles(pb.c.shape[-2], pb.c.shape[-1], s)
-    verdict, detail, summary = reference.check(
-        pb.a, pb.b, pb.c, bm=bm, bn=bn, units=reference.units_for(pb.c), alpha=pb.alpha, addend=pb.addend,
-        beta=pb.beta, lam=s.lam, b_stats=None if pb.b_stats is None else pb.b_stats(bn), summary=True)
-    return _pending(pb, ctx, bm, bn, "reference", verdict, detail, summary)
+    """pb.c checked by its backend, or by the reference where the backend computed it (a
+    correction's second check): a pending verdict."""
+    name = pb.backend if not backends.get(pb.backend).computes else backends.REFERENCE
+    bm, bn = reference_tiles(pb.c.shape[-2], pb.c.shape[-1], s, name)
+    verdict, detail, summary = backends.get(name).entry().check_product(
+        pb.a, pb.b, pb.c, bm=bm, bn=bn, alpha=pb.alpha, addend=pb.addend, beta=pb.beta, lam=s.lam,
+        b_stats=pb.b_stats)
+    return _pending(pb, ctx, bm, bn, name, verdict, detail, summary)
 
 
-def _verify_triton(pb, ctx, s):
-    """The fused kernel computes pb.c and checks it, with the fault hook's element faults put
-    into its accumulator (after the first K step)."""
-    from abft.kernels import triton_gemm
+def _verify_computing(pb, ctx, s):
+    """The backend computes pb.c and checks it, with the fault hook's element faults put into its
+    accumulator (after the first K step)."""
     inject = faults.kernel_injection(ctx) if faults.active() else None
-    m, n = pb.shape[-2], pb.shape[-1]
-    tiles = s.tiles or triton_gemm.tiles_for(m, n, pb.a.shape[-1], pb.dtype)
-    bm, bn = triton_gemm.data_tiles(pb.a, pb.b, tiles)       # the kernel's, less its checksums
-    pb.c, verdict, detail = triton_gemm.checked_gemm(
-        pb.a, pb.b, addend=pb.addend, alpha=pb.alpha, beta=pb.beta, tiles=tiles, inject=inject,
+    pb.c, verdict, detail, (bm, bn) = backends.get(pb.backend).entry().checked_product(
+        pb.a, pb.b, addend=pb.addend, alpha=pb.alpha, beta=pb.beta, tiles=s.tiles, inject=inject,
         lam=s.lam, b_stats=pb.b_stats)
-    return _pending(pb, ctx, bm, bn, "triton", verdict, detail)
+    return _pending(pb, ctx, bm, bn, pb.backend, verdict, detail)
 
 
-VERIFY = {"reference": _verify_reference, "triton": _verify_triton}
+def _verifier(name):
+    return _verify_computing if backends.get(name).computes else _verify_checking
 
 
 def _require_float(op, *ts):
@@ -200,14 +200,13 @@ def run_checked(pb, *, phase="forward", module=None):
     elif phase == "forward" and torch._C._current_graph_task_id() != -1:
         phase = "recompute"          # a forward run inside backward: activation checkpointing
     call_id = sc.next_call_id()
-    verify = VERIFY[pb.backend]
+    verify = _verifier(pb.backend)
     if not _sample(pb.op, phase, labels):
         policy.count("sampled_out_calls")
         coverage.count(pb.op, labels.get("module"), "sampled_out")
-        if pb.c is None:                 # the fused kernel's product, with its checks compiled out
-            from abft.kernels import triton_gemm
-            pb.c = triton_gemm.checked_gemm(pb.a, pb.b, addend=pb.addend, alpha=pb.alpha,
-                                            beta=pb.beta, check=False)[0]
+        if pb.c is None:                 # a computing backend's product, its checks compiled out
+            pb.c = backends.get(pb.backend).entry().unchecked_product(pb.a, pb.b, addend=pb.addend,
+                                                                      alpha=pb.alpha, beta=pb.beta)
         return pb.result()
     coverage.count(pb.op, labels.get("module"), "checked")
     ctx = faults.CallContext(pb.op, phase, labels, call_id, pb.shape, pb.dtype,
@@ -279,11 +278,16 @@ def enabled():
 
 
 def _route(*ts, shape_ok=True):
-    """Where an op runs: "off" (checks disabled: the torch op), "triton" (the fused kernel, for
-    operands it takes under the configured backend; auto: on CUDA tensors) or "reference"."""
+    """Where an op runs: "off" (checks disabled: the torch op), or the name of the backend that
+    checks it (``backends.route``; a computing backend only where it takes the shape)."""
     if not enabled():
         return "off"
-    return "triton" if shape_ok and backends.runs_on_triton(_config.get().backend, *ts) else "reference"
+    name = backends.route(_config.get().backend, *ts)
+    return name if shape_ok or not _computes(name) else backends.REFERENCE
+
+
+def _computes(name):
+    return name != "off" and backends.get(name).computes
 
 
 # A Problem's again() builds a new Problem without referring to the old one: a reference cycle
@@ -295,9 +299,9 @@ def _computed(op, a, b, compute, **kw):
     return Problem(op, a, b, compute(), again=lambda: _computed(op, a, b, compute, **kw), **kw)
 
 
-def _kernel(op, a, b, **kw):
-    """A Problem the fused kernel computes (again: launched afresh)."""
-    return Problem(op, a, b, backend="triton", again=lambda: _kernel(op, a, b, **kw), **kw)
+def _kernel(backend, op, a, b, **kw):
+    """A Problem a computing backend computes (again: launched afresh)."""
+    return Problem(op, a, b, backend=backend, again=lambda: _kernel(backend, op, a, b, **kw), **kw)
 
 
 @_plain
@@ -324,7 +328,7 @@ def matmul(a, b, *, op="matmul", phase="forward", module=None, a_rg=False, b_rg=
     kw = dict(flat_rows=flat, finish=fin, b_stats=_kept(y, b, b_stats))
     if kind == "bmm":
         kw["flat_batch"] = batch if len(batch) != 1 else None
-    pb = _kernel(op, x, y, **kw) if route == "triton" else _computed(op, x, y, compute, **kw)
+    pb = _kernel(route, op, x, y, **kw) if _computes(route) else _computed(op, x, y, compute, **kw, backend=route)
     return run_checked(pb, phase=phase, module=module)
 
 
@@ -369,9 +373,9 @@ def _torch_op(op, a, b, compute, ts, shape_ok, *, phase="forward", module=None, 
     route = _route(*ts, shape_ok=shape_ok)
     if route == "off":
         return compute()
-    if route == "triton":
-        return run_checked(_kernel(op, a, b, **kw), phase=phase, module=module)
-    pb = _computed(op, a, b, compute, **kw)
+    if _computes(route):
+        return run_checked(_kernel(route, op, a, b, **kw), phase=phase, module=module)
+    pb = _computed(op, a, b, compute, **kw, backend=route)
     _require_float(op, *ts)
     return run_checked(pb, phase=phase, module=module)
 
@@ -416,18 +420,18 @@ def linear(input, weight, bias=None, *, module=None, weight_stats=None):
     route = _route(input, weight, shape_ok=input.dim() >= 2 and (bias is None or bias.dim() == 1))
     if route == "off":
         return F.linear(input, weight, bias)
-    if route == "triton":
+    if _computes(route):
         lead = tuple(input.shape[:-1])
-        pb = _kernel("linear", rows2d(input), weight.t(), addend=bias, b_stats=weight_stats,
+        pb = _kernel(route, "linear", rows2d(input), weight.t(), addend=bias, b_stats=weight_stats,
                      flat_rows=lead if len(lead) > 1 else None,
                      finish=lambda c: c.view(*lead, c.shape[-1]))
         return run_checked(pb, module=module)
     out = F.linear(input, weight, bias)
     _require_float("linear", input, weight, *(() if bias is None else (bias,)))
-    return run_checked(_linear_problem(input, weight, bias, weight_stats, out), module=module)
+    return run_checked(_linear_problem(input, weight, bias, weight_stats, out, route), module=module)
 
 
-def _linear_problem(input, weight, bias, weight_stats, out):
+def _linear_problem(input, weight, bias, weight_stats, out, backend):
     """The reference Problem of ``out = F.linear(input, weight, bias)``: c is out's canonical view
     (leading dims folded into rows), repaired in place; again() computes out afresh. A module
     function: a nested one naming itself would be a cycle holding the operands until the
@@ -435,9 +439,9 @@ def _linear_problem(input, weight, bias, weight_stats, out):
     x = input.unsqueeze(0) if input.dim() == 1 else input
     a, c, flat = _fold(x, out.view(*x.shape[:-1], out.shape[-1]))
     return Problem("linear", a, weight.t(), c, addend=bias, flat_rows=flat, b_stats=weight_stats,
-                   finish=lambda _: out,
+                   finish=lambda _: out, backend=backend,
                    again=lambda: _linear_problem(input, weight, bias, weight_stats,
-                                                 F.linear(input, weight, bias)))
+                                                 F.linear(input, weight, bias), backend))
 
 
 @_plain
@@ -448,4 +452,6 @@ def check_views(op, a, b, c, *, module=None, phase="forward"):
     if not enabled():
         return
     _require_float(op, a, b)
-    run_checked(Problem(op, a, b, c), phase=phase, module=module)
+    name = _route(a, b)
+    run_checked(Problem(op, a, b, c, backend=backends.REFERENCE if _computes(name) else name), phase=phase,
+                module=module)

@@ -1,11 +1,12 @@
 """Global settings: ``abft.config(...)`` sets them, and used as a context manager restores them."""
+import importlib
 import math
 import numbers
 import operator
 import os
 from dataclasses import dataclass, fields, replace
 
-from abft.kernels.backends import BACKENDS
+from abft.kernels import backends
 
 POLICIES = ("record", "warn", "raise", "recompute", "correct")
 
@@ -39,22 +40,22 @@ def get():
 def _validate(s):
     if s.policy not in POLICIES:
         raise ValueError(f"abft.config: policy must be one of {POLICIES}, got {s.policy!r}")
-    if s.backend not in BACKENDS:
-        raise ValueError(f"abft.config: backend must be one of {BACKENDS}, got {s.backend!r}")
-    if s.backend in ("triton", "auto"):
-        try:
-            import triton  # noqa: F401
-        except ImportError as e:
-            raise ValueError(f"abft.config: backend {s.backend!r} needs triton ({e})") from e
+    if s.backend not in backends.names():
+        raise ValueError(f"abft.config: backend must be one of {backends.names()}, got {s.backend!r}")
+    for b in backends.candidates(s.backend):
+        if b.requires:
+            try:
+                importlib.import_module(b.requires)
+            except ImportError as e:
+                raise ValueError(f"abft.config: backend {s.backend!r} needs {b.requires} ({e})") from e
     if isinstance(s.sample_every, bool) or not (isinstance(s.sample_every, int) and s.sample_every >= 1):
         raise ValueError(f"abft.config: sample_every must be an int >= 1, got {s.sample_every!r}")
     if s.tiles is not None:
         t = s.tiles
         if not (len(t) == 2 and min(t) >= 1):
             raise ValueError(f"abft.config: tiles must be two positive ints, got {t!r}")
-        if s.backend in ("triton", "auto"):
-            from abft.kernels.configs import tiles_error
-            why = tiles_error(*t)
+        for b in backends.candidates(s.backend):
+            why = b.entry().tiles_error(*t) if b.computes else None
             if why:
                 raise ValueError(f"abft.config: tiles: {why}")
     if s.on_alarm is not None and not callable(s.on_alarm):
@@ -75,9 +76,9 @@ class config:
     """Set abft's settings. ``abft.config(policy="raise")`` sets them for the process;
     ``with abft.config(policy="raise"): ...`` sets them for the block and restores them after.
 
-    Keys: enabled, policy (record | warn | raise | recompute | correct), backend (reference |
-    triton | auto: triton on CUDA tensors; the fused kernel computes matmul, mm, bmm,
-    addmm, baddbmm and linear, forward and backward), sample_every, tiles=(BM, BN), log_path, on_alarm,
+    Keys: enabled, policy (record | warn | raise | recompute | correct), backend (one of
+    ``abft.kernels.backends.names()``: reference | triton | auto, triton on CUDA tensors; the fused
+    kernel computes matmul, mm, bmm, addmm, baddbmm and linear, forward and backward), sample_every, tiles=(BM, BN), log_path, on_alarm,
     max_pending, max_pending_bytes, lam. The environment variable ABFT_DISABLE=1 starts the
     process with enabled=False.
     """

@@ -137,8 +137,8 @@ def validate(cfg):
             raise ValueError(f"config.{k}: a whole number >= {low}, got {v!r}")
     modes = cfg.setdefault("modes", ["computation"])
     _modes(modes, "config.modes")
-    if cfg.setdefault("backend", "reference") not in backends.BACKENDS:
-        raise ValueError(f"config.backend: {' | '.join(backends.BACKENDS)}, got {cfg['backend']!r}")
+    if cfg.setdefault("backend", backends.REFERENCE) not in backends.names():
+        raise ValueError(f"config.backend: {' | '.join(backends.names())}, got {cfg['backend']!r}")
     train = cfg.setdefault("train", {})
     fields = TrainConfig.__dataclass_fields__
     for k in train:

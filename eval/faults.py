@@ -47,7 +47,7 @@ from dataclasses import asdict, dataclass, field
 import torch
 
 from abft import faults as _hook
-from abft.kernels import layout as L
+from abft.kernels import backends, layout as L
 
 SITES = ("gemm_accumulator", "gemm_operand", "gemm_output", "weight_memory", "optimizer_state",
          "nongemm_op", "gradient_comm")
@@ -194,28 +194,28 @@ class Profile:
                                  f"(sites) defect only")
 
     def check_backend(self, backend, where="profile"):
-        """The triton backend corrupts the fused kernel's fp32 accumulator in the kernel: one
-        element, one bit flipped or the element zeroed (``abft.faults.kernel_injection``). A
-        profile that can draw another accumulator fault there is refused before the run."""
+        """A backend with ``kernel_faults`` (the fused kernel) corrupts its fp32 accumulator in the
+        kernel: one element, one bit flipped or the element zeroed (``abft.faults.kernel_injection``).
+        A profile that can draw another accumulator fault there is refused before the run."""
         sites = {self.pin["site"]} if "site" in self.pin else {k for k, w in self.sites.items() if w}
-        if backend != "triton" or not self.rate or "gemm_accumulator" not in sites:
+        if not backends.get(backend).kernel_faults or not self.rate or "gemm_accumulator" not in sites:
             return
         drawn = lambda table: sorted(k for k, w in table.items() if w > 0)   # noqa: E731
         if drawn(self.patterns) != ["element"]:
-            raise ValueError(f"{where}.patterns: the triton backend injects element accumulator "
+            raise ValueError(f"{where}.patterns: the {backend} backend injects element accumulator "
                              f"faults only, got {drawn(self.patterns)}")
         ok = [k for k in KINDS if HOOK_KIND[k] in L.INJECT_KINDS]
         other = [k for k in drawn(self.kinds) if k not in ok]
         if other:
-            raise ValueError(f"{where}.kinds: the triton backend injects {', '.join(ok)} "
+            raise ValueError(f"{where}.kinds: the {backend} backend injects {', '.join(ok)} "
                              f"accumulator faults only, got {other}")
         flips = {"bitflip", "signflip"} & set(drawn(self.kinds))
         if "bitflip" in flips and self.multi_bit > 0:
-            raise ValueError(f"{where}.multi_bit: 0 under the triton backend (it flips one bit), "
+            raise ValueError(f"{where}.multi_bit: 0 under the {backend} backend (it flips one bit), "
                              f"got {self.multi_bit!r}")
         if flips and self.timing == "permanent":
             raise ValueError(f"{where}.timing: a permanent bit fault is a stuck bit, which the "
-                             f"triton backend does not inject; use transient or intermittent")
+                             f"{backend} backend does not inject; use transient or intermittent")
 
     def check_targets(self, tg, micro_steps, where="profile"):
         """The pins against a model's targets (``targets(model)``)."""

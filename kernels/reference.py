@@ -259,6 +259,13 @@ def check(a, b, c, *, bm, bn, units, acc=None, chk=None, alpha=1.0, addend=None,
     return out if summary else out[:-1]
 
 
+def check_product(a, b, c, *, bm, bn, alpha, addend, beta, lam, b_stats):
+    """The checking backend's entry point (``backends``): ``check`` in c's own units, with the
+    summary; ``b_stats``: None or a function of bn giving b's kept statistics."""
+    return check(a, b, c, bm=bm, bn=bn, units=units_for(c), alpha=alpha, addend=addend, beta=beta, lam=lam,
+                 b_stats=None if b_stats is None else b_stats(bn), summary=True)
+
+
 def check_torch(a, b, c, *, bm, bn, units, acc=None, chk=None, alpha=1.0, addend=None, beta=1.0, lam=None,
                 return_sums=False, b_stats=None):
     """Verify ``c == alpha * a @ b + addend`` tile by tile, with torch ops (on any device; the

@@ -705,3 +705,22 @@ def tiles_for(m, n, k, dtype):
 
 __all__ = ["checked_gemm", "tiles_for", "data_tiles", "Layout", "INJECT_KINDS",
            "accumulation"]
+
+
+# -- the computing backend's entry points (``backends``) ------------------------------------------
+
+tiles_error = _configs.tiles_error
+
+
+def checked_product(a, b, *, addend, alpha, beta, tiles, inject, lam, b_stats):
+    """``checked_gemm`` in the configured tiles, or the shape's; returns (c, verdict, detail,
+    (bm, bn)), bm x bn the verdict's tiles (the kernel's, less its checksum rows and columns)."""
+    tiles = tiles or tiles_for(a.shape[-2], b.shape[-1], a.shape[-1], a.dtype)
+    c, verdict, detail = checked_gemm(a, b, addend=addend, alpha=alpha, beta=beta, tiles=tiles, inject=inject,
+                                      lam=lam, b_stats=b_stats)
+    return c, verdict, detail, data_tiles(a, b, tiles)
+
+
+def unchecked_product(a, b, *, addend, alpha, beta):
+    """The kernel's product with its checks compiled out (a call sampled out)."""
+    return checked_gemm(a, b, addend=addend, alpha=alpha, beta=beta, check=False)[0]

@@ -46,3 +46,35 @@ def test_the_settings_and_the_campaign_take_the_same_backends():
     from abft.eval import campaign
     with pytest.raises(ValueError, match="config.backend"):
         campaign.validate({"backend": "cuda"})
+
+
+def test_a_third_backend_is_one_module_and_one_registration(tmp_path):
+    """tests/data/torchops_backend.py registered as "torchops": products, their gradients and a
+    protected model run on it, alarms name it, and dtypes it does not take go to the reference."""
+    import subprocess
+    import sys
+    code = """
+import torch, abft
+from abft.kernels import backends
+backends.register(backends.Backend("torchops", (torch.float32,), "torchops_backend", tiles=(16, 16)))
+abft.config(backend="torchops")
+torch.manual_seed(0)
+x, w = torch.randn(40, 24, requires_grad=True), torch.randn(32, 24, requires_grad=True)
+y = abft.linear(x, w)
+y.sum().backward()
+assert torch.equal(y, torch.nn.functional.linear(x, w))
+with abft.scope(module="fc"):
+    with abft.inject(row=21, col=5, kind="add", value=1.0):
+        abft.matmul(x.detach(), w.detach().t())
+(al,) = abft.flush()
+assert (al.backend, al.module, al.row, al.col, al.bm, al.bn, al.tile) == ("torchops", "fc", 21, 5, 16, 16, (1, 0)), al
+abft.matmul(x.detach().double(), w.detach().double().t())
+assert not abft.flush()
+calls = abft.stats()["checked_calls"]
+assert calls == 5, calls
+print("ok")
+"""
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300,
+                       env={**__import__("os").environ, "PYTHONSAFEPATH": "1",
+                            "PYTHONPATH": __import__("os").path.join(__import__("os").path.dirname(__file__), "data")})
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
