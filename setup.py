@@ -9,7 +9,8 @@ setup(
     version=version["__version__"],
     description="Checked GEMMs (Huang-Abraham checksums) against silent data corruption in training",
     python_requires=">=3.10",
-    packages=["abft", "abft.kernels", "abft.eval", "abft.bench"],
+    packages=["abft", "abft.detectors", "abft.guard", "abft.integrations", "abft.kernels", "abft.eval",
+              "abft.bench"],
     package_dir={"abft": "abft", "abft.kernels": "kernels", "abft.eval": "eval", "abft.bench": "bench"},
     package_data={"abft.kernels": ["csrc/*.cpp"]},      # compiled on first use (kernels/compiled.py)
     install_requires=["torch>=2.4", "numpy", "matplotlib"],

@@ -12,18 +12,18 @@ from abft._version import __version__
 from abft.alarms import Alarm, AlarmLog, SilentCorruptionError
 from abft.settings import config
 from abft.context import scope
-from abft.faults import inject
+from abft.hook import inject
 from abft.autograd import addmm, baddbmm, bmm, linear, matmul, mm
 from abft import nn
 from abft.nn import protect, unprotect
-from abft.mode import checked
-from abft.guard import GuardHalt, StepGuard
-from abft.rest import RestCheck
-from abft.recompute import RecomputeCheck
-from abft.comm import CommCheck
-from abft.ledger import Ledger
-from abft.carry import OutputCheck
-from abft import carry as _carry
+from abft.interception import checked
+from abft.guard.step import GuardHalt, StepGuard
+from abft.detectors.rest import RestCheck
+from abft.detectors.recompute import RecomputeCheck
+from abft.detectors.comm import CommCheck
+from abft.guard.ledger import Ledger
+from abft.detectors.outputs import OutputCheck
+from abft.detectors import outputs as _outputs
 from abft import coverage as _coverage
 from abft import policy as _policy
 from abft.alarms import default_log as _default_log
@@ -79,7 +79,7 @@ def reset():
     _default_log().clear()
     _policy.reset_stats()
     _coverage.reset()
-    _carry.forget_sites()
+    _outputs.forget_sites()
 
 
 __all__ = ["StepGuard", "GuardHalt", "RestCheck", "RecomputeCheck", "CommCheck", "Ledger", "OutputCheck", "matmul", "mm", "bmm", "addmm", "baddbmm", "linear", "scope", "config", "inject",

@@ -94,7 +94,7 @@ def _made(kind, *, op, phase, module, scope, shape, dtype, residual, threshold=0
 
 
 def invariant_alarm(*, phase, module, scope, shape, batch, row, deviation, bound, action, rows):
-    """A softmax invariant broken (``abft.attention``): row ``row`` of batch ``batch`` of scores of
+    """A softmax invariant broken (``abft.detectors.attention``): row ``row`` of batch ``batch`` of scores of
     ``shape`` deviates by ``deviation`` from its invariant, beyond ``bound``; ``rows`` rows did."""
     return _made("invariant", op="softmax", phase=phase, module=module, scope=scope, shape=shape,
                  dtype="float64", batch=batch, row=row, residual=deviation, threshold=bound, action=action,
@@ -104,7 +104,7 @@ def invariant_alarm(*, phase, module, scope, shape, batch, row, deviation, bound
 def carry_alarm(*, op, phase, module, scope, tensor, block, index_block, batch, row, col, delta, action,
                 labels):
     """A product's output or operand changed in memory after it was fingerprinted
-    (``abft.carry``): block ``index_block`` of ``block`` words of ``tensor``, the element at
+    (``abft.detectors.outputs``): block ``index_block`` of ``block`` words of ``tensor``, the element at
     (batch, row, col) where located, ``delta`` its sums' change."""
     return _made("carry", op=op, phase=phase, module=module, scope=scope, shape=tensor.shape,
                  dtype=tensor.dtype, block=block, tile=(index_block,), batch=batch, row=row, col=col,
@@ -113,7 +113,7 @@ def carry_alarm(*, op, phase, module, scope, tensor, block, index_block, batch, 
 
 def comm_alarm(*, op, module, scope, shape, dtype, block, index_block, call_id, row, col, residual, bound,
                action, labels):
-    """A gradient changed by its collective (``abft.comm``): block ``index_block`` of ``block``
+    """A gradient changed by its collective (``abft.detectors.comm``): block ``index_block`` of ``block``
     elements, of parameter ``module`` (shape ``shape``) where known, off by ``residual`` beyond
     ``bound``."""
     return _made("comm", op=op, phase="grad", module=module, scope=scope, shape=shape, dtype=dtype,
@@ -122,7 +122,7 @@ def comm_alarm(*, op, module, scope, shape, dtype, block, index_block, call_id, 
 
 
 def recompute_alarm(*, op, module, scope, tensor, batch, row, col, error, action, elements):
-    """A module's rerun gave other bits (``abft.recompute``): the first differing element, the
+    """A module's rerun gave other bits (``abft.detectors.recompute``): the first differing element, the
     largest difference, and how many differ."""
     return _made("recompute", op=op, phase="forward", module=module, scope=scope, shape=tensor.shape,
                  dtype=tensor.dtype, batch=batch, row=row, col=col, residual=error, action=action,
@@ -130,7 +130,7 @@ def recompute_alarm(*, op, module, scope, tensor, batch, row, col, error, action
 
 
 def rest_alarm(*, name, kind, scope, tensor, block, tile, row=None, col=None, residual, labels):
-    """Training state changed at rest (``abft.rest``): tensor ``name`` (``kind``: "param" or an
+    """Training state changed at rest (``abft.detectors.rest``): tensor ``name`` (``kind``: "param" or an
     optimizer state's key), block ``tile`` of ``block`` words, the element where located."""
     return _made("rest", op="rest", phase=kind, module=name, scope=scope, shape=tensor.shape,
                  dtype=tensor.dtype, block=block, tile=tile, row=row, col=col, residual=residual,

@@ -19,7 +19,9 @@ from torch.library import custom_op
 
 import torch.autograd.forward_ad as fwAD
 
-from abft import carry, coverage, decompose, dtensor, ops, weightcache
+from abft import coverage, decompose, ops, weightcache
+from abft.detectors import outputs
+from abft.integrations import dtensor
 from abft.decompose import rows2d
 from abft.kernels import backends
 from abft.kernels import reference
@@ -36,7 +38,7 @@ def _rule(op_def, backward, setup):
     the backward has read its incoming gradients, an OutputCheck verifies them (``carry``)."""
     def read(ctx, *grads):
         out = backward(ctx, *grads)
-        carry.consumed(grads)
+        outputs.consumed(grads)
         return out
     op_def.register_autograd(read, setup_context=setup)
     _RULES[op_def] = (read, setup)
@@ -84,8 +86,8 @@ _rule(grad_product, _gp_backward, _gp_setup)
 
 def _g(kind, a, b, op, phase, module):
     out = _dispatch(torch.ops.abft.grad_product, (a, b), (kind, op, phase, module), _plain_eager((a, b)))
-    if carry.active():                  # an OutputCheck is on: verified at its death
-        carry.record(out, module or None, op, phase)
+    if outputs.active():                  # an OutputCheck is on: verified at its death
+        outputs.record(out, module or None, op, phase)
     return out
 
 
@@ -180,8 +182,8 @@ def _linear_backward(ctx, grad):
         if ctx.wkey and not dtensor.any_dtensor(grad, w):
             gx = _dispatch(torch.ops.abft.grad_input_kept, (grad, w), (ctx.module, ctx.wkey),
                            _plain_eager((grad, w)))
-            if carry.active():
-                carry.record(gx, ctx.module or None, "linear", "grad_input")
+            if outputs.active():
+                outputs.record(gx, ctx.module or None, "linear", "grad_input")
         else:
             gx = _g("matmul", grad, w, "linear", "grad_input", ctx.module)
     g2 = rows2d(grad)
@@ -510,10 +512,10 @@ def _call(fn, device_of, tensors, *rest):
 
 
 def _autocast_call(fn, device_of, tensors, rest, plain):
-    carried = carry.active()            # an OutputCheck is on: the output is verified at its death
+    carried = outputs.active()            # an OutputCheck is on: the output is verified at its death
     module = (next((r for r in rest if isinstance(r, str)), "") or None) if carried else None
-    if carried and carry.operands():    # and it takes operands: these were read
-        carry.read(tensors, module)
+    if carried and outputs.operands():    # and it takes operands: these were read
+        outputs.read(tensors, module)
     tensors, cast = _autocast(tensors[device_of].device.type, *tensors)
     if cast:
         with torch.autocast(tensors[device_of].device.type, enabled=False):
@@ -521,7 +523,7 @@ def _autocast_call(fn, device_of, tensors, rest, plain):
     else:
         out = _dispatch(fn, tensors, rest, plain)
     if carried:
-        carry.record(out, module, fn._qualified_op_name.split("::")[-1])
+        outputs.record(out, module, fn._qualified_op_name.split("::")[-1])
     return out
 
 

@@ -98,7 +98,7 @@ def _report(args):
 def _ledger(args):
     import json
     import os
-    from abft.ledger import Ledger, table
+    from abft.guard.ledger import Ledger, table
     try:
         if not os.path.isdir(args.job_dir):
             raise ValueError(f"job_dir: no such folder: {args.job_dir}")

@@ -10,7 +10,7 @@ functions under ``abft.checked()`` (``protect`` lists it under ``own_forward``).
 
 ``nn.MultiheadAttention`` computes its products from its weights inside
 ``F.multi_head_attention_forward`` (its ``out_proj``'s forward is never called): ``protect`` swaps
-it for a subclass whose forward runs inside ``abft.mode.within`` (its label), so its projections and
+it for a subclass whose forward runs inside ``abft.interception.within`` (its label), so its projections and
 attention products are checked (SDPA is torch's, counted as unprotected, unless an outer
 ``checked(sdpa=True)`` decomposes it), and ``out_proj`` is left plain. ``nn.TransformerEncoderLayer``
 and ``nn.TransformerEncoder`` take fused inference paths (eval, no grad) that call none of their
@@ -29,7 +29,9 @@ import math
 
 from torch import nn
 
-from abft import autograd, dtensor, mode, weightcache
+from abft import autograd, weightcache
+from abft.integrations import dtensor
+from abft import interception
 
 
 class _Checked:
@@ -59,11 +61,11 @@ class _CheckedProduct(_Checked):
 
 
 class _CheckedWithin(_Checked):
-    """Mixin whose ``forward`` is the module's own, run inside ``abft.mode.within`` (module
+    """Mixin whose ``forward`` is the module's own, run inside ``abft.interception.within`` (module
     docstring): ``nn.MultiheadAttention`` and the transformer encoder's fused paths."""
 
     def forward(self, *args, **kwargs):
-        with mode.within(self._abft_name):
+        with interception.within(self._abft_name):
             return super().forward(*args, **kwargs)
 
 

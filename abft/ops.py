@@ -19,7 +19,8 @@ import torch
 import torch.nn.functional as F
 
 from abft import settings as _config
-from abft import context, coverage, decompose, faults, policy
+from abft import context, coverage, decompose, policy
+from abft import hook
 from abft.decompose import rows2d
 from abft.kernels import backends
 
@@ -109,8 +110,8 @@ _DTYPE_NAMES = {dt: str(dt).replace("torch.", "") for dt in SUPPORTED}
 
 def _verify_checking(pb, ctx, s):
     """The fault hook on the computed product, then its backend's check."""
-    if faults.active():
-        faults.apply(pb.c, ctx)
+    if hook.active():
+        hook.apply(pb.c, ctx)
     return _check(pb, ctx, s)
 
 
@@ -135,7 +136,7 @@ def _check(pb, ctx, s):
 def _verify_computing(pb, ctx, s):
     """The backend computes pb.c and checks it, with the fault hook's element faults put into its
     accumulator (after the first K step)."""
-    inject = faults.kernel_injection(ctx) if faults.active() else None
+    inject = hook.kernel_injection(ctx) if hook.active() else None
     pb.c, verdict, detail, (bm, bn) = backends.get(pb.backend).entry().checked_product(
         pb.a, pb.b, addend=pb.addend, alpha=pb.alpha, beta=pb.beta, tiles=s.tiles, inject=inject,
         lam=s.lam, b_stats=pb.b_stats)
@@ -209,7 +210,7 @@ def run_checked(pb, *, phase="forward", module=None):
                                                                       alpha=pb.alpha, beta=pb.beta)
         return pb.result()
     coverage.count(pb.op, labels.get("module"), "checked")
-    ctx = faults.CallContext(pb.op, phase, labels, call_id, pb.shape, pb.dtype,
+    ctx = hook.CallContext(pb.op, phase, labels, call_id, pb.shape, pb.dtype,
                              operands=(pb.a, pb.b), batch_shape=pb.flat_batch)
     pend = verify(pb, ctx, s)
     ctx.verdict, ctx.tiles = pend.verdict, pend.tiles
@@ -292,7 +293,7 @@ def _computes(name):
 
 # A Problem's again() builds a new Problem without referring to the old one: a reference cycle
 # would keep the product alive until the garbage collector runs, and detectors that verify an
-# output at its death (abft.carry) would see it late.
+# output at its death (abft.detectors.outputs) would see it late.
 
 def _computed(op, a, b, compute, **kw):
     """A reference Problem of the product ``compute()`` returns (again: computed afresh)."""

@@ -60,7 +60,7 @@ _before_flush = []            # detectors' deferred work, done first by every fl
 
 def before_flush(fn):
     """Have every ``flush()`` call ``fn()`` first (a detector that defers its checks to a safe
-    point: ``abft.carry``)."""
+    point: ``abft.detectors.outputs``)."""
     if fn not in _before_flush:
         _before_flush.append(fn)
 

@@ -2,7 +2,7 @@
 
 Two comparisons per shape (batch, heads, queries = keys, head width), the median ratio of
 back-to-back pairs (``overhead.interleaved``) and its quartiles: torch's own attention (QK^T, softmax, PV, forward and backward) with ``torch.softmax``
-against the same with ``abft.attention.softmax``; and ``F.scaled_dot_product_attention`` under
+against the same with ``abft.detectors.attention.softmax``; and ``F.scaled_dot_product_attention`` under
 ``abft.checked(sdpa=True)`` (both products checked) with the plain softmax against the invariants.
 """
 import argparse
@@ -13,7 +13,8 @@ import torch.nn.functional as F
 
 def main(argv=None):
     import abft
-    from abft import attention, mode
+    from abft.detectors import attention
+    from abft import interception
     from abft.bench.overhead import interleaved
     ap = argparse.ArgumentParser(prog="python benchmarks/attnbench.py")
     ap.add_argument("--shapes", default="8x4x128x64,8x4x256x64,4x8x512x64")
@@ -39,14 +40,14 @@ def main(argv=None):
 
         def sdpa_step(sm):
             def run():
-                mode.attention.softmax = sm
+                interception.attention.softmax = sm
                 try:
                     with abft.checked(sdpa=True):
                         out = F.scaled_dot_product_attention(q, k, v, is_causal=True)
                     out.backward(do)
                     abft.flush()
                 finally:
-                    mode.attention.softmax = checked
+                    interception.attention.softmax = checked
             return run
         a = interleaved(torch_step(plain), torch_step(checked), args.reps)
         c = interleaved(sdpa_step(plain), sdpa_step(checked), max(3, args.reps // 3))

@@ -36,7 +36,7 @@ def inventory(width, ffn, heads, kv_heads, tokens, operands):
     """(fingerprints, bytes read by them, launches) of one training step, and the GEMM FLOPs."""
     import transformers
     import abft
-    from abft import carry
+    from abft.detectors import outputs
     torch.manual_seed(0)
     cfg = transformers.LlamaConfig(vocab_size=256, hidden_size=width, intermediate_size=ffn,
                                    num_hidden_layers=1, num_attention_heads=heads,
@@ -46,14 +46,14 @@ def inventory(width, ffn, heads, kv_heads, tokens, operands):
     layer = model.model.layers[0]
     abft.protect(model)
     counts = dict(calls=0, elements=0, bytes=0)
-    real = carry.fingerprint
+    real = outputs.fingerprint
 
     def counted(t, block, *a, **k):
         counts["calls"] += 1
         counts["elements"] += t.numel()
         counts["bytes"] += t.numel() * t.element_size()
         return real(t, block, *a, **k)
-    carry.fingerprint = counted
+    outputs.fingerprint = counted
     x = torch.randint(0, 256, (1, tokens))
 
     def step():
@@ -64,12 +64,12 @@ def inventory(width, ffn, heads, kv_heads, tokens, operands):
         return chk
     abft.reset()
     try:
-        for _ in range(carry.LEARN + 2):  # until the sites no product reads are passed over
+        for _ in range(outputs.LEARN + 2):  # until the sites no product reads are passed over
             step()                        # (an output may die a step late)
         counts.update(calls=0, elements=0, bytes=0)
         chk = step()
     finally:
-        carry.fingerprint = real
+        outputs.fingerprint = real
     weights = sum(m.weight.numel() for m in layer.modules() if isinstance(m, torch.nn.Linear))
     return dict(counts, recorded=chk.recorded, taken=chk.taken, flops=6 * weights * tokens)
 

@@ -46,14 +46,14 @@ from dataclasses import asdict, dataclass, field
 
 import torch
 
-from abft import faults as _hook
+from abft import hook as _hook
 from abft.kernels import backends, layout as L
 
 SITES = ("gemm_accumulator", "gemm_operand", "gemm_output", "weight_memory", "optimizer_state",
          "nongemm_op", "gradient_comm")
 GEMM_SITES = SITES[:3]
 KINDS = ("zero", "bitflip", "signflip", "nonfinite", "scale", "noise")
-# the injection (``abft.faults.KINDS``) that makes each kind of event (``injection``)
+# the injection (``abft.hook.KINDS``) that makes each kind of event (``injection``)
 HOOK_KIND = {"zero": "zero", "bitflip": "bitflip", "signflip": "bitflip", "nonfinite": "value",
              "scale": "scale", "noise": "scale"}
 BIT_CLASSES = ("sign", "exponent_msb", "exponent", "mantissa_high", "mantissa_low")
@@ -195,7 +195,7 @@ class Profile:
 
     def check_backend(self, backend, where="profile"):
         """A backend with ``kernel_faults`` (the fused kernel) corrupts its fp32 accumulator in the
-        kernel: one element, one bit flipped or the element zeroed (``abft.faults.kernel_injection``).
+        kernel: one element, one bit flipped or the element zeroed (``abft.hook.kernel_injection``).
         A profile that can draw another accumulator fault there is refused before the run."""
         sites = {self.pin["site"]} if "site" in self.pin else {k for k, w in self.sites.items() if w}
         if not backends.get(backend).kernel_faults or not self.rate or "gemm_accumulator" not in sites:
@@ -428,7 +428,7 @@ def schedule(profile, steps, micro_steps, tg, seed):
 # ---------------------------------------------------------------- applying one event
 
 def injection(ev, shape, dtype):
-    """The ``abft.faults.Injection`` that makes ``ev``'s corruption on a (..., M, N) tensor."""
+    """The ``abft.hook.Injection`` that makes ``ev``'s corruption on a (..., M, N) tensor."""
     m, n = (shape[-2], shape[-1]) if len(shape) >= 2 else (1, shape[-1])
     row = min(int(ev.urow * m) if ev.row is None else ev.row, m - 1)
     col = min(int(ev.ucol * n) if ev.col is None else ev.col, n - 1)

@@ -21,7 +21,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from abft.faults import as_bits
+from abft.hook import as_bits
 
 MODES = ("computation", "parameter", "none")
 

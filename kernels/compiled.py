@@ -356,7 +356,7 @@ def check(a, b, c, *, bm, bn, units, acc, chk, alpha, addend, beta, lam, return_
 
 
 def fingerprint(words, block):
-    """``abft.rest.fingerprint``'s sums of ``words`` (flat contiguous int16 or int32 on the CPU),
+    """``abft.detectors.rest.fingerprint``'s sums of ``words`` (flat contiguous int16 or int32 on the CPU),
     a (blocks, 3) int64 tensor; None where the library cannot take them (the torch version
     then runs)."""
     if torch.compiler.is_compiling() or not enabled() or not words.is_cpu or \

@@ -31,7 +31,7 @@ NFIELDS = 9
 OK, UNVERIFIED, NONFINITE = 0.0, 1.0, 2.0
 
 # The faults the fused kernel injects into one accumulator element (its constexpr INJECT codes);
-# the reference backend corrupts the stored product with any of ``abft.faults.KINDS``.
+# the reference backend corrupts the stored product with any of ``abft.hook.KINDS``.
 INJECT_KINDS = {"bitflip": 1, "add": 2, "zero": 3}
 
 

@@ -1,4 +1,4 @@
-"""The softmax invariants of checked attention (abft/attention.py): no alarm on clean attention
+"""The softmax invariants of checked attention (abft/detectors/attention.py): no alarm on clean attention
 of any size, dtype, scale or mask, forward and backward; a fault in the softmax, in its saved
 output or in its backward alarms at its row."""
 import contextlib
@@ -8,7 +8,7 @@ import torch
 import torch.nn.functional as F
 
 import abft
-from abft import attention
+from abft.detectors import attention
 
 
 def _flip(t, index, bit):

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import abft
-from abft import carry
+from abft.detectors import outputs
 
 
 def _model():
@@ -36,7 +36,7 @@ def test_clean_training_never_alarms_and_every_output_is_verified():
     # and the gradients arriving at the two forward products' outputs
     assert chk.recorded == 3 * 5 and chk.taken == 3 * 3
     assert chk.verified + chk.skipped == chk.recorded + chk.taken
-    assert carry.live() == (0, 0)
+    assert outputs.live() == (0, 0)
 
 
 def test_a_flip_in_a_forward_output_alarms_at_its_element():
@@ -73,7 +73,7 @@ def test_the_programs_own_in_place_changes_are_skipped_not_alarmed():
 def test_off_records_nothing_and_bad_block_is_refused():
     import pytest
     abft.matmul(torch.randn(4, 4), torch.randn(4, 4))
-    assert carry.live() == (0, 0)
+    assert outputs.live() == (0, 0)
     with pytest.raises(ValueError, match="block"):
         abft.OutputCheck(block=0)
 
@@ -113,25 +113,25 @@ def test_a_ctrl_c_inside_the_death_callback_still_interrupts(monkeypatch):
     during an output's death read (seen: `abft eval` interrupted there ran on and exited 0) must
     reach the program all the same, at the next safe point."""
     import weakref
-    from abft import carry
+    from abft.detectors import outputs
 
     def interrupted(entry):
         raise KeyboardInterrupt
 
-    monkeypatch.setattr(carry, "_read", interrupted)
-    monkeypatch.setattr(carry, "_dead", [])
+    monkeypatch.setattr(outputs, "_read", interrupted)
+    monkeypatch.setattr(outputs, "_dead", [])
 
     class Output:
         pass
 
     out = Output()
-    ref = weakref.ref(out, lambda _, e={}: carry._died(e))
+    ref = weakref.ref(out, lambda _, e={}: outputs._died(e))
     del out
-    assert ref() is None and len(carry._dead) == 1
+    assert ref() is None and len(outputs._dead) == 1
     with pytest.raises(KeyboardInterrupt):     # at the next safe point (a record, a flush)
-        carry.drain()
-    monkeypatch.setattr(carry, "_dead", [])
-    carry.drain()                              # once
+        outputs.drain()
+    monkeypatch.setattr(outputs, "_dead", [])
+    outputs.drain()                              # once
 
 
 # -- GEMM operands: fingerprinted where they are made, verified at their death ---------------
@@ -181,7 +181,7 @@ def test_an_operand_changed_before_its_product_reads_it_alarms_naming_its_produc
     found = [(a.kind, a.module, a.phase, a.op, a.row, a.col, a.step) for a in alarms]
     assert found == [("carry", producer, "forward", op, 1, 1, 3)], found
     assert consumer in alarms[0].labels["read_by"], alarms[0].labels     # and who read it
-    assert chk.taken > 0 and carry.live() == (0, 0)
+    assert chk.taken > 0 and outputs.live() == (0, 0)
 
 
 def test_an_operand_that_is_a_view_of_a_product_alarms_at_that_product():
@@ -223,7 +223,7 @@ def test_an_incoming_gradient_changed_before_the_backward_products_read_it_alarm
     h.remove()
     found = [(a.kind, a.module, a.phase, a.row, a.col) for a in abft.flush()]
     assert found == [("carry", producer, phase, 1, 1)], found
-    assert carry.live() == (0, 0) and not carry._waiting
+    assert outputs.live() == (0, 0) and not outputs._waiting
 
 
 def test_operands_off_takes_none_and_misses_them():
@@ -256,7 +256,7 @@ def test_clean_training_with_operands_never_alarms_and_frees_everything():
             del loss
             assert abft.flush() == []
     assert chk.taken > 0 and chk.verified + chk.skipped == chk.recorded + chk.taken
-    assert carry.live() == (0, 0) and not carry._waiting and not carry._storages
+    assert outputs.live() == (0, 0) and not outputs._waiting and not outputs._storages
 
 
 def test_an_output_alive_at_exit_does_not_crash_the_interpreter(tmp_path):
@@ -351,7 +351,7 @@ def test_activation_checkpointing_and_compile_train_clean_and_bit_identical():
         carried = run(make, how)
         assert all(torch.equal(a, b) for a, b in zip(plain[0] + plain[1], carried[0] + carried[1]))
     assert abft.flush() == []          # what died after the last step's drain
-    assert carry.live() == (0, 0) and not carry._waiting and not carry._storages
+    assert outputs.live() == (0, 0) and not outputs._waiting and not outputs._storages
 
 
 def test_a_site_whose_outputs_no_product_reads_stops_being_taken_until_one_does():
@@ -382,12 +382,12 @@ def test_a_site_whose_outputs_no_product_reads_stops_being_taken_until_one_does(
             h.remove()
         return chk, abft.flush()
 
-    taken = [step()[0].taken for _ in range(carry.LEARN + 2)]
+    taken = [step()[0].taken for _ in range(outputs.LEARN + 2)]
     assert taken[0] > 0 and taken[-1] == 0, taken        # Sin once a step, the sums twice
-    assert carry._sites[("Branch", "Sin")] == [False, carry.LEARN]
+    assert outputs._sites[("Branch", "Sin")] == [False, outputs.LEARN]
     m.read_sin = True
     assert step()[1] == []                       # read once while passed over: marks the site
     chk, found = step(fault=True)
     assert [(a.kind, a.op) for a in found] == [("carry", "Sin")], found
     abft.reset()                                 # forgets what it learned
-    assert carry._sites == {}
+    assert outputs._sites == {}

@@ -14,7 +14,7 @@ import torch.multiprocessing as mp
 from torch import nn
 
 import abft
-from abft.comm import CommCheck, block_sums, compare
+from abft.detectors.comm import CommCheck, block_sums, compare
 from abft.eval.replicas import free_port
 from ranks import exit_clean
 

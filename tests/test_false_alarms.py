@@ -166,7 +166,7 @@ def test_bf16_flushed_subnormal_inputs_do_not_alarm():
     c = flushed @ b
     assert (c.double() - a.double() @ b.double()).abs().max() > 1e-3 * c.double().abs().max()
     from abft.ops import Problem, _check  # noqa: the check exactly as ops runs it
-    from abft.faults import CallContext
+    from abft.hook import CallContext
     pb = Problem("mm", a, b, c)
     ctx = CallContext("mm", "forward", {}, 0, tuple(c.shape), c.dtype)
     with abft.config(tiles=(64, 64)) as s:

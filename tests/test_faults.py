@@ -103,7 +103,7 @@ def test_bad_injections_are_refused():
 def test_an_injection_is_validated_however_it_is_built():
     """The evaluation builds Injection objects and retargets an installed one: both go through
     the same checks as abft.inject (they used to bypass them)."""
-    from abft.faults import Injection
+    from abft.hook import Injection
     for kw, field in ((dict(kind="melt"), "kind"), (dict(pattern="diagonal", kind="zero"), "pattern"),
                       (dict(kind="stuck"), "bit")):
         with pytest.raises(ValueError, match=field):

@@ -1,4 +1,4 @@
-"""abft.hf.GuardCallback in a real Hugging Face Trainer: a tiny Llama from a config (no
+"""abft.integrations.hf.GuardCallback in a real Hugging Face Trainer: a tiny Llama from a config (no
 download), gradient accumulation, clipping, AdamW, several steps."""
 import pytest
 import torch
@@ -7,7 +7,7 @@ pytest.importorskip("accelerate")
 transformers = pytest.importorskip("transformers")
 
 import abft  # noqa: E402
-from abft.hf import GuardCallback  # noqa: E402
+from abft.integrations.hf import GuardCallback  # noqa: E402
 from llama import tiny_llama  # noqa: E402
 
 

@@ -11,13 +11,16 @@ PACKAGES = {"abft": "abft", "abft.kernels": "kernels", "abft.eval": "eval", "abf
 
 
 def _modules():
-    """{module name: path} of every module of the three packages."""
+    """{module name: path} of every module of the packages, their subpackages included."""
     out = {}
     for pkg, folder in PACKAGES.items():
-        for fn in sorted(os.listdir(os.path.join(ROOT, folder))):
-            if fn.endswith(".py"):
-                name = pkg if fn == "__init__.py" else f"{pkg}.{fn[:-3]}"
-                out[name] = os.path.join(ROOT, folder, fn)
+        for dp, dirs, files in os.walk(os.path.join(ROOT, folder)):
+            dirs[:] = sorted(d for d in dirs if os.path.exists(os.path.join(dp, d, "__init__.py")))
+            sub = os.path.relpath(dp, os.path.join(ROOT, folder))
+            base = pkg if sub == "." else pkg + "." + sub.replace(os.sep, ".")
+            for fn in sorted(files):
+                if fn.endswith(".py"):
+                    out[base if fn == "__init__.py" else f"{base}.{fn[:-3]}"] = os.path.join(dp, fn)
     return out
 
 
@@ -61,7 +64,8 @@ EDGES = _edges(MODS)
 
 
 def test_the_walk_sees_every_package_and_its_imports():
-    assert {"abft.kernels.layout", "abft.policy", "abft.eval.campaign", "abft.cli"} <= set(MODS)
+    assert {"abft.kernels.layout", "abft.policy", "abft.eval.campaign", "abft.cli", "abft.detectors.outputs",
+            "abft.guard.ledger", "abft.integrations.hf"} <= set(MODS)
     assert "abft.kernels.layout" in EDGES["abft.policy"]
     assert "abft.kernels.threshold" in EDGES["abft.kernels.reference"]
 
@@ -105,7 +109,8 @@ def test_no_import_cycles():
 
 
 def _package(name):
-    return name if name in PACKAGES else name.rsplit(".", 1)[0]
+    """The installed package a module belongs to (abft's subpackages are abft's)."""
+    return max((p for p in PACKAGES if name == p or name.startswith(p + ".")), key=len)
 
 
 def test_no_module_takes_a_private_name_from_another_package():

@@ -10,7 +10,7 @@ import torch.multiprocessing as mp
 
 import abft
 from abft import cli
-from abft.ledger import QUARANTINE_EXIT, Ledger, this_device
+from abft.guard.ledger import QUARANTINE_EXIT, Ledger, this_device
 from abft.eval.replicas import free_port
 from test_guard import _closure, _setup
 from ranks import exit_clean

@@ -12,7 +12,7 @@ README = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
 
 SETUP = textwrap.dedent("""
     import torch, torch.nn as nn, torch.nn.functional as F, torch.distributed as dist
-    import abft, abft.hf, abft.titan
+    import abft, abft.integrations.hf, abft.integrations.titan
     torch.manual_seed(0)
     a, b = torch.randn(64, 48), torch.randn(48, 40)
     x, w, bias = torch.randn(8, 48), torch.randn(40, 48), torch.randn(40)
@@ -86,6 +86,6 @@ def test_the_readme_detector_switches_run_as_written(tmp_path):
         sw["softmax invariants"].replace(": ...", ": " + step),
         "assert not abft.flush() and not len(abft.alarms()), list(abft.alarms())",
         # the Trainer and torchtitan lines need their trainers (tests/test_hf.py, tests/test_titan.py)
-        "assert callable(abft.hf.GuardCallback) and callable(abft.titan.guard_trainer)",
+        "assert callable(abft.integrations.hf.GuardCallback) and callable(abft.integrations.titan.guard_trainer)",
         "dist.destroy_process_group()", "print('ok')"])
     _run(code, tmp_path)

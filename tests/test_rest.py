@@ -5,7 +5,7 @@ import pytest
 import torch
 
 import abft
-from abft import rest as R
+from abft.detectors import rest as R
 
 
 def _flip(t, index, bit):

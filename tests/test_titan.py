@@ -1,4 +1,4 @@
-"""abft.titan.guard_trainer on a Trainer shaped as torchtitan's: a tiny transformers Llama from a
+"""abft.integrations.titan.guard_trainer on a Trainer shaped as torchtitan's: a tiny transformers Llama from a
 config (no download), gradient accumulation, clipping, AdamW with a warm-up schedule, several
 steps. torchtitan itself is not installed here (its dependencies: datasets, wandb, tensorboard,
 tyro, torchdata, ...): ``_Trainer`` keeps the parts of torchtitan's ``Trainer`` the hook uses
@@ -11,7 +11,7 @@ import torch
 pytest.importorskip("transformers")
 
 import abft  # noqa: E402
-from abft.titan import guard_trainer  # noqa: E402
+from abft.integrations.titan import guard_trainer  # noqa: E402
 from llama import tiny_llama  # noqa: E402
 
 

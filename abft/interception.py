@@ -24,7 +24,10 @@ import torch
 import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
-from abft import attention, autograd, carry, coverage, dtensor, ops
+from abft import autograd, coverage, ops
+from abft.detectors import attention
+from abft.detectors import outputs
+from abft.integrations import dtensor
 
 _local = threading.local()
 
@@ -102,7 +105,7 @@ def einsum(eq, a, b, module=None):
 def sdpa(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None,
          enable_gqa=False, module=None):
     """``F.scaled_dot_product_attention`` as its math decomposition, both products checked and the
-    softmax between them by its invariants (``abft/attention.py``)."""
+    softmax between them by its invariants (``abft/detectors/attention.py``)."""
     if enable_gqa and key.shape[-3] != query.shape[-3]:
         rep = query.shape[-3] // key.shape[-3]
         key, value = key.repeat_interleave(rep, -3), value.repeat_interleave(rep, -3)
@@ -302,10 +305,10 @@ class checked(TorchFunctionMode):
         if func not in _OWN and not isinstance(func, FunctionType) and type(func) not in _ATEN_TYPES:
             # most calls: torch's own compiled functions, methods and attributes, which abft
             # leaves alone and which call no torch function back (so no pass-through mark)
-            if not carry.operands():
+            if not outputs.operands():
                 return func(*args, **kwargs)
             out = func(*args, **kwargs)       # a product may read it next: fingerprinted
-            carry.produced(out, self._label or current_module())
+            outputs.produced(out, self._label or current_module())
             return out
         if _state("passing"):
             # an inner abft block handles this call: what it runs (torch's own call, abft's

@@ -42,7 +42,7 @@ import weakref
 import numpy as np
 import torch
 
-from abft.rest import fingerprint, located, memory_order
+from abft.detectors.rest import fingerprint, located, memory_order
 
 _lock = threading.RLock()      # a death (a callback) may come while a record holds it
 _checks = []            # active OutputChecks (the last one records)
@@ -396,6 +396,6 @@ def live():
         return len(_live), len(_dead)
 
 
-from abft import policy  # noqa: E402  (policy imports nothing of abft.carry)
+from abft import policy  # noqa: E402  (policy imports nothing of abft.detectors.outputs)
 
 policy.before_flush(drain)

@@ -1,6 +1,6 @@
 """abft in torchtitan: one call on the Trainer, each training step a replayable unit.
 
-    from abft.titan import guard_trainer
+    from abft.integrations.titan import guard_trainer
     trainer = Trainer(config)                  # torchtitan's
     guard_trainer(trainer, decision="rerun", ledger="runs/job")
     trainer.train()

@@ -1,6 +1,6 @@
 """abft in the Hugging Face ``Trainer``: one callback.
 
-    from abft.hf import GuardCallback
+    from abft.integrations.hf import GuardCallback
     trainer = Trainer(model=model, args=args, train_dataset=data,
                       callbacks=[GuardCallback(decision="skip", ledger="runs/job")])
 

@@ -31,7 +31,7 @@ Device ledger (``ledger="runs/job"`` or an ``abft.Ledger``): every alarmed step 
 against the device of each rank that alarmed, kept in the job folder across runs (weight 1 when a
 rerun came back clean, 2 unconfirmed, 3 persistent); a device whose strikes reach the ledger's
 limit within its window is quarantined and every rank halts with ``GuardHalt`` code 44
-(``abft.ledger.QUARANTINE_EXIT``: do not requeue on that device), as does a guard started later
+(``abft.guard.ledger.QUARANTINE_EXIT``: do not requeue on that device), as does a guard started later
 on a quarantined device. Every rank must pass the same ``ledger`` setting.
 
 Sampling: ``every=N`` checks one step in N (the others run with abft disabled); after an alarm or
@@ -95,12 +95,12 @@ class StepGuard:
         self.rest, self._rest_left = None, []
         self._open, self._check, self._applied = None, True, True
         if rest:
-            from abft.rest import RestCheck
+            from abft.detectors.rest import RestCheck
             self.rest = rest if isinstance(rest, RestCheck) else RestCheck(optimizer, names=names)
             self.rest.seal()
         self.ledger = None
         if ledger is not None:
-            from abft.ledger import Ledger, this_device
+            from abft.guard.ledger import Ledger, this_device
             self.ledger = ledger if isinstance(ledger, Ledger) else Ledger(ledger)
             self.where = this_device(device)
             # a device quarantined by an earlier run: every rank stops before the first step
@@ -222,7 +222,7 @@ class StepGuard:
                              persistence=persistence, anomaly=anomaly)
 
     def _quarantine(self, flags, why, **kw):
-        from abft.ledger import QUARANTINE_EXIT
+        from abft.guard.ledger import QUARANTINE_EXIT
         ranks = [r for r, f in enumerate(flags) if f]
         rec = self._record(decision="quarantine", quarantined_ranks=ranks, **kw)
         host, dev = self.where
@@ -313,7 +313,7 @@ class StepGuard:
 
     # ------------------------------------------------ a loop the guard does not run
     def begin(self):
-        """Open a step of someone else's loop (the Hugging Face Trainer's: ``abft.hf``): the
+        """Open a step of someone else's loop (the Hugging Face Trainer's: ``abft.integrations.hf``): the
         step's settings and labels, for its forward and backward passes."""
         if self._open is not None:
             raise RuntimeError("StepGuard.begin: the previous step was not ended")

@@ -35,7 +35,7 @@ import torch.distributed as dist
 
 from abft import ops, policy
 from abft.kernels.threshold import UNIT, gamma
-from abft.rest import weight_of, position_weights
+from abft.detectors.rest import weight_of, position_weights
 
 _CHUNK = 1 << 16          # elements per pass: float64 temporaries that stay in cache (4x faster
                           # here than passes of 2^22, whose fresh pages cost more than the sums)
