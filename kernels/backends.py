@@ -17,6 +17,7 @@ A computing backend's module (``computes=True``) has
     ``tiles_error(bm, bn) -> str or None``: why configured tiles cannot run there.
 """
 import importlib
+import sys
 from dataclasses import dataclass
 
 import torch
@@ -35,7 +36,7 @@ class Backend:
 
     def entry(self):
         """Its module of entry points."""
-        return importlib.import_module(self.module)
+        return sys.modules.get(self.module) or importlib.import_module(self.module)
 
 
 _registry = {}
