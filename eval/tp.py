@@ -15,7 +15,7 @@ reduced output; backward: the reduced input gradient) as well as on the GEMMs ar
 Embeddings, norms and the head are replicated. The products keep their module names, so the
 fault sites and targets are those of the unsharded model. The tensors are plain local shards
 (no DTensor): every detector and fault injection works on them unchanged; abft's DTensor
-support is tested on its own (tests/test_dtensor.py).
+support is tested on its own (tests/integrations/test_dtensor.py).
 """
 from dataclasses import dataclass
 

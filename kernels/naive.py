@@ -1,5 +1,5 @@
 """What a correct check is, written as plainly as possible in float64: the oracle both backends
-are tested against (``tests/test_threshold.py``, ``tests/test_triton_gemm.py``), sharing nothing
+are tested against (``tests/kernels/test_threshold.py``, ``tests/kernels/test_triton_gemm.py``), sharing nothing
 with the threshold model (``threshold.py``) it bounds.
 
 For C = A·B checked in tiles of bm x bn, each column's sum over a block of bm rows and each row's

@@ -6,7 +6,7 @@ C++ call that reads each operand once in its own dtype and accumulates in float6
 plain shared library through ctypes rather than a torch extension or numba, for the reasons in
 its header). ``check_torch`` is the same arithmetic in torch ops: it runs on other devices, under
 torch.compile's tracing and wherever the library cannot be built, and it is the oracle the tests
-hold the compiled check to (``tests/test_compiled.py``).
+hold the compiled check to (``tests/kernels/test_compiled.py``).
 
 For C = alpha * A.B + addend, with A (..., M, K), B (..., K, N) and tiles of BM x BN:
 - column sums: for each block p of BM rows and each column j, sum_i C_ij - sum_i addend_ij

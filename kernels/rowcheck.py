@@ -45,7 +45,7 @@ small K (the cap only lowers a threshold).
 Not built yet (issue 28): the vectors passed between a layer's GEMMs (r = X.1 for grad_weight), the
 column check of grad_weight, groups of columns, localisation by recomputing an alarmed row block,
 the batched products, and the policies' use of this kernel: ``abft bench --static`` compiles it for
-its cost, and ``tests/test_rowcheck.py`` checks it under the interpreter. Its cost cannot reach the
+its cost, and ``tests/kernels/test_rowcheck.py`` checks it under the interpreter. Its cost cannot reach the
 issue's 1.02 a layer at 4096 -> 4096 in this form (``benchmarks/rowfloor.py``: the epilogue's sums
 and the A tile's second read are not overlapped with the wgmma; Triton 3.9's warp specialisation
 on sm_90a is cooperative, a ping-pong schedule would need Gluon; BENCHMARKS.md).

@@ -51,7 +51,7 @@ the addend rounds at its size at every step); every sum gets 2 sqrt(steps + inne
 Accumulators that round toward zero (tensor cores) get a directed-rounding allowance.
 
 threshold = LAMBDA sqrt(variance) + allowances. LAMBDA = 6 puts a Gaussian false alarm per sum near
-2e-9; the stress set in tests/test_threshold.py decides whether the model holds.
+2e-9; the stress set in tests/kernels/test_threshold.py decides whether the model holds.
 
 Magnitudes. Q is not computed (that would be another GEMM per side): it is bounded by Hoelder's
 inequality, sum_k a_k b_k <= min(|a|_1 |b|_inf, |a|_inf |b|_1), from norms that cost O(MK + KN) and

@@ -85,7 +85,7 @@ def test_the_readme_detector_switches_run_as_written(tmp_path):
         sw["OutputCheck"].replace(": ...", ": " + step),
         sw["softmax invariants"].replace(": ...", ": " + step),
         "assert not abft.flush() and not len(abft.alarms()), list(abft.alarms())",
-        # the Trainer and torchtitan lines need their trainers (tests/test_hf.py, tests/test_titan.py)
+        # the Trainer and torchtitan lines need their trainers (tests/integrations/test_hf.py, tests/integrations/test_titan.py)
         "assert callable(abft.integrations.hf.GuardCallback) and callable(abft.integrations.titan.guard_trainer)",
         "dist.destroy_process_group()", "print('ok')"])
     _run(code, tmp_path)

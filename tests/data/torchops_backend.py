@@ -1,4 +1,4 @@
-"""A third backend, for tests/test_backends.py: the reference's torch-op check (its oracle) as a
+"""A third backend, for tests/kernels/test_backends.py: the reference's torch-op check (its oracle) as a
 checking backend of its own, in tiles of its own. This file and one ``backends.register`` call
 are all it takes."""
 from abft.kernels import reference

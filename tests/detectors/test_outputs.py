@@ -391,3 +391,4 @@ def test_a_site_whose_outputs_no_product_reads_stops_being_taken_until_one_does(
     assert [(a.kind, a.op) for a in found] == [("carry", "Sin")], found
     abft.reset()                                 # forgets what it learned
     assert outputs._sites == {}
+

@@ -53,6 +53,7 @@ def test_a_third_backend_is_one_module_and_one_registration(tmp_path):
     protected model run on it, alarms name it, and dtypes it does not take go to the reference."""
     import subprocess
     import sys
+    from paths import DATA
     code = """
 import torch, abft
 from abft.kernels import backends
@@ -76,5 +77,5 @@ print("ok")
 """
     r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300,
                        env={**__import__("os").environ, "PYTHONSAFEPATH": "1",
-                            "PYTHONPATH": __import__("os").path.join(__import__("os").path.dirname(__file__), "data")})
+                            "PYTHONPATH": DATA})
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]

@@ -12,8 +12,9 @@ import torch
 from abft.kernels import compiled, reference
 from abft.kernels import layout as L
 from abft.kernels import threshold as T
+from paths import ROOT  # noqa: E402
 
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1] / "benchmarks"))
+sys.path.insert(0, str(pathlib.Path(ROOT) / "benchmarks"))
 from fixedcost import bits_equal, cases  # noqa: E402
 
 pytestmark = pytest.mark.skipif(compiled.library() is None, reason="no compiled reference check here")

@@ -12,6 +12,7 @@ from abft.cli import main
 from abft.eval import campaign, crosscheck, report
 from abft.eval import faults as fm
 from abft.eval.replicas import TrainConfig, pretrain, run_trial
+from paths import ROOT  # noqa: E402
 
 TINY = TrainConfig(dim=16, batch=8, micro_steps=2, pretrain_steps=10, steps=4)
 
@@ -197,7 +198,7 @@ def test_distributed_pair_with_gloo_matches_the_local_run(tmp_path):
     assert s["per_site"]["gemm_accumulator"]["rate"] == 1.0
 
 
-EXPERIMENTS = pathlib.Path(__file__).parents[1] / "experiments"
+EXPERIMENTS = pathlib.Path(ROOT) / "experiments"
 
 
 @pytest.mark.parametrize("name", sorted(p.name for p in EXPERIMENTS.glob("*.toml")))

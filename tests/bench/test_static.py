@@ -9,8 +9,8 @@ import sys
 import pytest
 
 from abft.bench import rows, sass, static
+from paths import DATA  # noqa: E402
 
-HERE = os.path.dirname(__file__)
 
 
 def compiling_env():
@@ -22,7 +22,7 @@ def test_the_sass_reader_reproduces_the_figures_of_the_kernel_before(tmp_path):
     """Compiled as the issue compiled it (bf16, 128 x 128 x 64, 8 warps, 3 stages, no argument
     specialisation): about 3,942 instructions in the HGMMA loop against 601 with CHECK=False,
     about 1,000 shuffles and 1,100 FADDs, about 300 local-memory instructions per K step."""
-    subprocess.run([sys.executable, os.path.join(HERE, "data", "compile_31901d1.py"), str(tmp_path)],
+    subprocess.run([sys.executable, os.path.join(DATA, "compile_31901d1.py"), str(tmp_path)],
                    check=True, env=compiling_env(), capture_output=True)
     checked, plain = (sass.summary(str(tmp_path / f"old_{c}.cubin")) for c in (True, False))
     assert 3800 <= checked["loop_instructions"] <= 4100, checked["loop_instructions"]

@@ -8,6 +8,7 @@ import sys
 
 import pytest
 import torch
+from paths import ROOT  # noqa: E402
 
 
 def test_pairbench_runs_one_round(capsys):
@@ -40,7 +41,7 @@ def test_fixedcost_alternates_with_another_kernels_tree(capsys):
     timed, the same op count, equal verdicts."""
     import pathlib
     import fixedcost
-    here = pathlib.Path(__file__).resolve().parents[1] / "kernels"
+    here = pathlib.Path(ROOT) / "kernels"
     out = fixedcost.main(pairs=10, warmup=3, against=here)
     assert out["equal"] and out["--against"]["ops"] == out["ops"] and out["--against"]["api_ms"] > 0
     same, total = out["cases"]
@@ -92,7 +93,7 @@ def test_fuzzcheck_against_another_tree_runs_as_a_script():
     """``--against`` run as a script under PYTHONSAFEPATH=1, from the repository root: it
     imported fixedcost from a path that is not searched then."""
     import subprocess
-    root = pathlib.Path(__file__).resolve().parents[1]
+    root = pathlib.Path(ROOT)
     out = subprocess.run([sys.executable, "benchmarks/fuzzcheck.py", "--cases", "2", "--against", "kernels"],
                          cwd=root, capture_output=True, text=True, timeout=600,
                          env={**os.environ, "PYTHONSAFEPATH": "1"})
@@ -133,10 +134,9 @@ def test_rowfloor_decomposes_the_row_checks_cost(tmp_path):
     import re
     import subprocess
     import sys
-    here = os.path.dirname(__file__)
     from test_static import compiling_env
     env = compiling_env()
-    out = subprocess.run([sys.executable, os.path.join(here, "..", "benchmarks", "rowfloor.py"),
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "rowfloor.py"),
                           "--out", str(tmp_path)], env=env, capture_output=True, text=True,
                          check=True).stdout
     for v in ("as built", "host descriptors", "two loops, no slice", "one loop + epilogue"):

@@ -12,6 +12,7 @@ from abft.kernels.naive import must_alarm, worst_case
 from abft.kernels.reference import check
 from abft.kernels import layout as L
 from abft.kernels.threshold import units
+from paths import ROOT  # noqa: E402
 
 CASES = list(cases(quick=True))
 ID = lambda c: f"{c[0]}-M{c[1]}-K{c[2]}-N{c[3]}-{str(c[4]).replace('torch.', '')}"
@@ -45,7 +46,7 @@ def test_no_false_alarm_fresh_seed(request):
     seed = request.config.getoption("--stress-seed")
     if seed is None:
         seed = int.from_bytes(os.urandom(4), "little")
-    print(f"stress seed {seed} (replay: pytest tests/test_tolerance.py --stress-seed {seed})")
+    print(f"stress seed {seed} (replay: pytest tests/kernels/test_threshold.py --stress-seed {seed})")
     for case in CASES:
         _assert_clean(case, seed, 32, 32)
 
@@ -105,7 +106,7 @@ def test_kernel_layer_imports_nothing_above_it():
     """abft.kernels (kernels/) is the arithmetic: it may import torch, triton and itself only."""
     import ast
     import pathlib
-    root = pathlib.Path(__file__).resolve().parent.parent / "kernels"
+    root = pathlib.Path(ROOT) / "kernels"
     bad = []
     for path in sorted(root.glob("*.py")):
         for node in ast.walk(ast.parse(path.read_text())):

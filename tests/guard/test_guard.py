@@ -11,6 +11,7 @@ import torch.multiprocessing as mp
 import abft
 from abft.eval.replicas import free_port
 from ranks import exit_clean
+from paths import ROOT  # noqa: E402
 
 
 def _setup(seed=0):
@@ -209,7 +210,7 @@ def test_ddp_two_ranks_agree_and_a_transient_rerun_matches_fault_free(tmp_path):
 def _torchrun_example(folder):
     import subprocess
     import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = ROOT
     return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2",
                            "--master_port", str(free_port()),
                            os.path.join(root, "examples", "train_guarded.py"), "--steps", "4",

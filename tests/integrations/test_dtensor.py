@@ -16,6 +16,7 @@ from torch import nn
 import abft
 from abft.eval.replicas import free_port
 from ranks import exit_clean
+from paths import ROOT  # noqa: E402
 
 
 def _mlp():
@@ -452,7 +453,7 @@ def test_the_tp_fsdp_example_runs_under_torchrun_on_4_ranks(tmp_path):
     import re
     import subprocess
     import sys
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    root = ROOT
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "4",
                           "--master_port", str(free_port()),
                           os.path.join(root, "examples", "train_tp_fsdp.py"), "--steps", "5",
