@@ -35,6 +35,7 @@ returns it (``StepGuard`` acts on it).
 import atexit
 import collections
 import functools
+import sys
 import threading
 import time
 import weakref
@@ -57,6 +58,18 @@ _operands = False       # the last OutputCheck takes operands (read by abft.chec
 _dead = []              # entries whose output died, to verify at the next safe point
 _interrupted = threading.Event()   # a Ctrl-C caught in a death callback, raised by the next drain
 _draining = threading.local()
+
+
+def _unraisable(u, _prior=sys.unraisablehook):
+    """Python prints and drops an exception raised in a weakref callback: a Ctrl-C that lands in
+    one of this module's death callbacks, wherever in it, is kept for the next drain to raise."""
+    if isinstance(u.exc_value, KeyboardInterrupt) and getattr(u.object, "__module__", None) == __name__:
+        _interrupted.set()
+        return
+    _prior(u)
+
+
+sys.unraisablehook = _unraisable
 
 
 def active():

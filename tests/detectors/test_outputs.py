@@ -392,3 +392,30 @@ def test_a_site_whose_outputs_no_product_reads_stops_being_taken_until_one_does(
     abft.reset()                                 # forgets what it learned
     assert outputs._sites == {}
 
+
+def test_a_ctrl_c_anywhere_in_a_death_callback_reaches_the_program(tmp_path):
+    """The campaign's Ctrl-C test once ran on and exited 0: the signal landed in the death
+    callback outside its read ("Exception ignored in: <function _take.<locals>.<lambda>>",
+    KeyboardInterrupt). Wherever it lands in one of those callbacks, the next safe point raises it.
+    In a fresh interpreter: pytest replaces ``sys.unraisablehook`` around each test."""
+    import subprocess
+    import sys
+    code = """
+import torch, abft
+from abft.detectors import outputs
+x = torch.randn(8, 8, requires_grad=True)
+chk = abft.OutputCheck()
+out = abft.matmul(x, x)
+def interrupted(entry):
+    raise KeyboardInterrupt
+outputs._died = interrupted
+del out
+try:
+    abft.flush()
+    print("ran on")
+except KeyboardInterrupt:
+    print("interrupted")
+"""
+    r = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip() == "interrupted", (r.stdout, r.stderr[-2000:])
+    assert "Exception ignored" not in r.stderr, r.stderr[-2000:]
