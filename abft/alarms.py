@@ -78,9 +78,9 @@ class Alarm:
         return json.dumps(d, default=str)
 
 
-# -- one factory per kind of alarm beyond the GEMMs' checksums ---------------------------------
-# Each takes what its detector knows; the fields a GEMM's alarm has and these kinds do not (tiles,
-# the product's shapes) are filled the same way for every kind here.
+# -- one factory per kind of alarm --------------------------------------------------------------
+# Each takes what its detector knows; the fields a GEMM's alarm has and the other kinds do not
+# (tiles, the product's shapes) are filled the same way for each of those here.
 
 def _made(kind, *, op, phase, module, scope, shape, dtype, residual, threshold=0.0, action="recorded",
           block=1, tile=(), batch=(), row=None, col=None, call_id=-1, labels=None):
@@ -91,6 +91,21 @@ def _made(kind, *, op, phase, module, scope, shape, dtype, residual, threshold=0
                  bn=1, tile=tuple(tile), batch=tuple(batch), row=row, col=col, residual=float(residual),
                  threshold=float(threshold), backend=kind, time=time.time(), kind=kind, action=action,
                  labels=labels or {})
+
+
+def checksum_alarm(info, *, tile, batch, row, col, rows, cols, residual, threshold, nonfinite, action):
+    """A checked product's tile that failed (``abft.policy``): ``info`` the call's metadata (op,
+    phase, labels, call id, rank, shapes, dtype, tiles, backend, time), ``tile`` its index,
+    (batch, row, col) the located element or None, ``rows``/``cols`` every failing sum's index,
+    ``nonfinite``: a non-finite output from finite inputs."""
+    labels = info["labels"]
+    return Alarm(op=info["op"], phase=info["phase"], module=labels.get("module"), step=labels.get("step"),
+                 micro_step=labels.get("micro_step"), replica=labels.get("replica"), rank=info["rank"],
+                 call_id=info["call_id"], shapes=info["shapes"], dtype=info["dtype"], bm=info["bm"],
+                 bn=info["bn"], tile=tuple(tile), batch=tuple(batch), row=row, col=col, residual=float(residual),
+                 threshold=float(threshold), backend=info["backend"], time=info["time"],
+                 kind="nonfinite" if nonfinite else "checksum", rows=rows, cols=cols, action=action,
+                 labels={k: v for k, v in labels.items() if k not in ("module", "step", "micro_step", "replica")})
 
 
 def invariant_alarm(*, phase, module, scope, shape, batch, row, deviation, bound, action, rows):

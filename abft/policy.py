@@ -17,7 +17,7 @@ import torch
 
 from abft import coverage
 from abft import settings as _config
-from abft.alarms import Alarm, SilentCorruptionError, default_log
+from abft.alarms import SilentCorruptionError, checksum_alarm, default_log
 from abft.kernels import layout as L
 
 
@@ -128,16 +128,9 @@ def alarms_of(p, action):
                 *bb, row = unravel(row)
                 batch = tuple(bb)
             rows = [unravel(r)[-1] for r in rows]
-        out.append(Alarm(
-            op=info["op"], phase=info["phase"], module=info["labels"].get("module"),
-            step=info["labels"].get("step"), micro_step=info["labels"].get("micro_step"),
-            replica=info["labels"].get("replica"), rank=info["rank"], call_id=info["call_id"],
-            shapes=info["shapes"], dtype=info["dtype"], bm=bm, bn=bn, tile=tuple(idx), batch=batch,
-            row=row, col=col, residual=float(rec[L.RESIDUAL]), threshold=float(rec[L.THRESHOLD]),
-            backend=info["backend"], time=info["time"], kind="nonfinite" if nonfinite else "checksum",
-            rows=rows, cols=cols, action=action,
-            labels={k: v_ for k, v_ in info["labels"].items() if k not in
-                    ("module", "step", "micro_step", "replica")}))
+        out.append(checksum_alarm(info, tile=idx, batch=batch, row=row, col=col, rows=rows, cols=cols,
+                                  residual=rec[L.RESIDUAL], threshold=rec[L.THRESHOLD], nonfinite=nonfinite,
+                                  action=action))
     return out
 
 

@@ -188,13 +188,11 @@ def test_a_top_level_folder_is_not_importable_under_its_own_name(folder):
 
 
 def test_alarms_are_built_by_their_kinds_factories():
-    """``Alarm(...)`` is called in abft/alarms.py (the factories of the detectors' kinds) and
-    abft/policy.py (a product's checksum alarm) only: a detector takes its kind's factory, with the
-    fields that kind has."""
+    """``Alarm(...)`` is called in abft/alarms.py only (one factory per kind of alarm): a detector,
+    and the policy for a product's checksums, take their kind's factory, with the fields it has."""
     calls = {}
     for name, path in MODS.items():
         for node in ast.walk(ast.parse(open(path).read(), path)):
             if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "Alarm":
                 calls.setdefault(name, []).append(node.lineno)
-    assert set(calls) <= {"abft.alarms", "abft.policy"}, calls
-    assert len(calls.get("abft.policy", [])) == 1, calls
+    assert set(calls) == {"abft.alarms"}, calls
