@@ -833,3 +833,34 @@ def test_asking_whether_the_compiled_check_is_usable_traces_under_torch_compile(
     a = torch.randn(8, 8)
     f = torch.compile(lambda x: x * 2 if compiled.usable(x, x, x, None) else x + 1, fullgraph=True)
     assert torch.equal(f(a), a + 1)
+
+
+def _positive_rows_at_small_k(check):
+    """Alarms of ``check`` over 400 clean float64 products of uniform positive A (64-256 rows, one
+    block) against normal B at K 5-64, and the worst ratio."""
+    g = torch.Generator().manual_seed(0)
+    alarms, worst = 0, 0.0
+    for t in range(400):
+        m, k = (64, 188, 256)[t % 3], (5, 7, 16, 64)[t % 4]
+        a = torch.rand(m, k, generator=g, dtype=torch.float64)
+        b = torch.randn(k, 92, generator=g, dtype=torch.float64)
+        c = a @ b
+        _, (rr, rc) = check(a, b, c, bm=256, bn=16, units=reference.units_for(c))
+        w = max(rr.abs().max().item(), rc.abs().max().item())
+        alarms, worst = alarms + (w > 1), max(worst, w)
+    return alarms, worst
+
+
+def test_float64_positive_rows_at_small_k_are_clean_in_the_torch_check():
+    alarms, worst = _positive_rows_at_small_k(reference.check_torch)
+    assert alarms == 0, (alarms, worst)
+
+
+@pytest.mark.xfail(strict=True, reason="known, not fixed (found 2026-12-07 by fuzzcheck --family structured, seeds "
+                   "24004173 and 24004609): the compiled check's own float64 arithmetic errs beyond the "
+                   "threshold's allowance on these products (19 of 400 alarm, worst ratio 1.5; the torch check "
+                   "0, worst 0.46; in the case looked at, the exact residual 1.1e-15 against a threshold of "
+                   "2.1e-13 and the compiled check's 2.2e-13)")
+def test_float64_positive_rows_at_small_k_are_clean_in_the_compiled_check():
+    alarms, worst = _positive_rows_at_small_k(reference.check)
+    assert alarms == 0, (alarms, worst)
