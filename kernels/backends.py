@@ -67,9 +67,6 @@ register(Backend(REFERENCE, (torch.float32, torch.float64, torch.bfloat16, torch
 register(Backend("triton", (torch.float32, torch.bfloat16, torch.float16), "abft.kernels.triton_gemm",
                  computes=True, requires="triton", auto_on_cuda=True, kernel_faults=True))
 
-BACKENDS = names()                 # (the built-in ones: names() has any registered since)
-REFERENCE_TILES = get(REFERENCE).tiles
-
 # the types of plain tensors (not a subclass: DTensor, FakeTensor, a functorch wrapper, ...)
 PLAIN = (torch.Tensor, torch.nn.Parameter)
 
@@ -113,7 +110,3 @@ def route(backend, *ts):
         return REFERENCE
     return name
 
-
-def runs_on_triton(backend, *ts):
-    """Whether a product of these operands runs on the fused kernel under ``backend``."""
-    return route(backend, *ts) == "triton"

@@ -6,7 +6,7 @@ import os
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from paths import ROOT
 PACKAGES = {"abft": "abft", "abft.kernels": "kernels", "abft.eval": "eval", "abft.bench": "bench"}
 
 

@@ -7,7 +7,7 @@ import subprocess
 import sys
 import textwrap
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+from paths import ROOT
 README = open(os.path.join(ROOT, "README.md"), encoding="utf-8").read()
 
 SETUP = textwrap.dedent("""

@@ -17,10 +17,10 @@ def test_auto_is_triton_on_cuda_and_reference_elsewhere():
 def test_the_kernel_takes_its_dtypes_only_and_one_dtype_for_all(dtype):
     a, b = torch.ones(2, 2, dtype=dtype), torch.ones(2, 2, dtype=dtype)
     on_kernel = dtype in backends.DTYPES["triton"]
-    assert backends.runs_on_triton("triton", a, b) == on_kernel
-    assert not backends.runs_on_triton("reference", a, b)
-    assert not backends.runs_on_triton("auto", a, b)                 # CPU tensors
-    assert not backends.runs_on_triton("triton", a, b.double())      # mixed dtypes
+    assert (backends.route("triton", a, b) == "triton") == on_kernel
+    assert backends.route("reference", a, b) == "reference"
+    assert backends.route("auto", a, b) == "reference"                # CPU tensors
+    assert backends.route("triton", a, b.double()) == "reference"    # mixed dtypes
     assert set(backends.DTYPES["triton"]) < set(backends.DTYPES["reference"])
 
 
@@ -36,7 +36,7 @@ def test_tf32_follows_torchs_setting_on_the_cpu():
 
 
 def test_the_settings_and_the_campaign_take_the_same_backends():
-    for name in backends.BACKENDS:
+    for name in backends.names():
         if name != "reference":
             pytest.importorskip("triton")
         with abft.config(backend=name):
