@@ -109,4 +109,3 @@ def route(backend, *ts):
     if b.computes and not all(t.dtype in b.dtypes and t.dtype == ts[0].dtype for t in ts):
         return REFERENCE
     return name
-
