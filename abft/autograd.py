@@ -2,8 +2,8 @@
 the checked path, labelled ``forward`` / ``grad_input`` / ``grad_weight`` (linear, addmm) and
 ``forward`` / ``grad_a`` / ``grad_b`` (matmul, mm, bmm, baddbmm).
 
-Each op is a ``torch.library`` custom op with ``register_autograd`` and a fake implementation,
-so ``torch.compile(fullgraph=True)`` traces it as one opaque node. Eager calls on plain tensors
+Each op is a ``torch.library`` custom op with a fake implementation and an autograd rule (the
+backward and setup functions here, registered by the op's row in ``abft.optable``), so ``torch.compile(fullgraph=True)`` traces it as one opaque node. Eager calls on plain tensors
 skip torch's dispatcher (``_eager``): the op's own function, under a plain ``autograd.Function``
 with the same rule where a gradient is recorded. The backward formulas are
 torch's own (derivatives.yaml, and matmul's folding into mm for (..., K) @ (K, N)), so gradients
@@ -28,20 +28,25 @@ from abft.kernels import reference
 from abft.kernels.reference import weight_stats
 
 
-_RULES = {}
 _local = threading.local()       # recording: the op runs under its eager autograd Function
+_IMPLS, _FUNCTIONS = {}, {}      # torch.ops.abft.<op> -> its own function; that with its rule
 
 
-def _rule(op_def, backward, setup):
-    """``op_def.register_autograd(backward, setup_context=setup)``, the rule kept for the eager
-    autograd Function that runs the op's own function where nothing needs the custom op. Once
-    the backward has read its incoming gradients, an OutputCheck verifies them (``carry``)."""
+def rule(op_def, backward, setup):
+    """``op_def.register_autograd(backward, setup_context=setup)`` (``abft.optable.register``
+    calls it), and the op's own function kept, bare and under a plain autograd Function with
+    the rule, for ``dispatch`` to run where nothing needs the custom op. Once the backward has
+    read its incoming gradients, an OutputCheck verifies them (``carry``)."""
     def read(ctx, *grads):
         out = backward(ctx, *grads)
         outputs.consumed(grads)
         return out
     op_def.register_autograd(read, setup_context=setup)
-    _RULES[op_def] = (read, setup)
+    name, fn = getattr(op_def, "_name", None), getattr(op_def, "_init_fn", None)
+    if isinstance(name, str) and callable(fn):    # where a torch version keeps them there
+        op = getattr(torch.ops.abft, name.split("::")[-1])
+        _IMPLS[op] = fn
+        _FUNCTIONS[op] = _function(name.split("::")[-1], fn, read, setup)
 
 
 def _product(kind, a, b, op, phase, module):
@@ -81,11 +86,9 @@ def _gp_backward(ctx, grad):
     return ga, gb, None, None, None, None
 
 
-_rule(grad_product, _gp_backward, _gp_setup)
-
 
 def _g(kind, a, b, op, phase, module):
-    out = _dispatch(torch.ops.abft.grad_product, (a, b), (kind, op, phase, module), _plain_eager((a, b)))
+    out = dispatch(torch.ops.abft.grad_product, (a, b), (kind, op, phase, module), plain_eager((a, b)))
     if outputs.active():                  # an OutputCheck is on: verified at its death
         outputs.record(out, module or None, op, phase)
     return out
@@ -140,8 +143,6 @@ def _gik_backward(ctx, gg):
     return ga, gb, None, None
 
 
-_rule(grad_input_kept, _gik_backward, _gik_setup)
-
 
 def _summaries(wkey, pair):
     """``_weight_summary`` for the parameter ``wkey``; with ``pair`` (the backward will need the
@@ -180,8 +181,8 @@ def _linear_backward(ctx, grad):
     gx = gw = gb = None
     if ctx.needs_input_grad[0]:
         if ctx.wkey and not dtensor.any_dtensor(grad, w):
-            gx = _dispatch(torch.ops.abft.grad_input_kept, (grad, w), (ctx.module, ctx.wkey),
-                           _plain_eager((grad, w)))
+            gx = dispatch(torch.ops.abft.grad_input_kept, (grad, w), (ctx.module, ctx.wkey),
+                           plain_eager((grad, w)))
             if outputs.active():
                 outputs.record(gx, ctx.module or None, "linear", "grad_input")
         else:
@@ -193,8 +194,6 @@ def _linear_backward(ctx, grad):
         gb = g2.sum(0)
     return gx, gw, gb, None, None
 
-
-_rule(linear_op, _linear_backward, _linear_setup)
 
 
 # -- addmm (HF Conv1D, users' own) ---------------------------------------------------------------
@@ -235,8 +234,6 @@ def _addmm_backward(ctx, grad):
     return gi, _scale(g1, ctx.alpha) if g1 is not None else None, \
         _scale(g2, ctx.alpha) if g2 is not None else None, None, None, None
 
-
-_rule(addmm_op, _addmm_backward, _add_setup)
 
 
 # -- matmul, mm, bmm, baddbmm --------------------------------------------------------------------
@@ -346,8 +343,6 @@ def _matmul_backward(ctx, grad):
     return ga, gb, None, None, None
 
 
-_rule(matmul_op, _matmul_backward, _matmul_setup)
-
 
 def _ab_setup(ctx, inputs, output):  # mm, bmm
     a, b = inputs[0], inputs[1]
@@ -371,8 +366,6 @@ def _mm_backward(ctx, grad):
     return ga, gb, None
 
 
-_rule(mm_op, _mm_backward, _ab_setup)
-
 
 @custom_op("abft::bmm", mutates_args=())
 def bmm_op(a: Tensor, b: Tensor, module: str) -> Tensor:
@@ -390,8 +383,6 @@ def _bmm_backward(ctx, grad):
     gb = _g("bmm", a.mT, grad, "bmm", "grad_b", ctx.module) if ctx.needs_input_grad[1] else None
     return ga, gb, None
 
-
-_rule(bmm_op, _bmm_backward, _ab_setup)
 
 
 @custom_op("abft::baddbmm", mutates_args=())
@@ -414,8 +405,6 @@ def _baddbmm_backward(ctx, grad):
     return gi, g1, g2, None, None, None
 
 
-_rule(baddbmm_op, _baddbmm_backward, _add_setup)
-
 
 # -- the public functions: autocast rules, then the custom op ---------------------------------------
 
@@ -429,7 +418,7 @@ def _autocast(device_type, *ts):
                  else t for t in ts), True
 
 
-def _transformed(*ts):
+def transformed(*ts):
     """Operands that abft's custom ops cannot serve: inside a ``torch.func`` transform (jvp,
     vmap, grad, jacfwd) or carrying a forward-mode tangent (``torch.autograd.forward_ad``). The ops
     have no forward-mode or batching rules, and autograd would drop the tangent silently.
@@ -457,7 +446,7 @@ def _eager(tensors, plain):
     more with autograd): "direct" (the custom op's own function: eager, no gradient to record),
     "function" (eager with a gradient to record: the op's own function under a plain
     ``autograd.Function`` with the op's autograd rule), or None (the custom op). Only plain
-    dense tensors and parameters in eager (``plain``: ``_plain_eager``) skip it: torch.compile,
+    dense tensors and parameters in eager (``plain``: ``plain_eager``) skip it: torch.compile,
     DTensor, fake and meta tensors, and dispatch modes that count ops (selective checkpointing
     too) get the custom op."""
     if not plain or torch._C._len_torch_dispatch_stack():
@@ -473,7 +462,7 @@ def _eager(tensors, plain):
     return "function" if record else "direct"
 
 
-def _plain_eager(tensors):
+def plain_eager(tensors):
     """Whether every tensor is a plain tensor or parameter (None aside), outside torch.compile."""
     if torch.compiler.is_compiling():
         return False
@@ -483,7 +472,7 @@ def _plain_eager(tensors):
     return True
 
 
-def _dispatch(fn, tensors, rest, plain):
+def dispatch(fn, tensors, rest, plain):
     """``fn(*tensors, *rest)``: the custom op ``fn``, or its own function (with its autograd rule)
     where ``_eager`` allows."""
     impl = _IMPLS.get(fn)
@@ -499,13 +488,13 @@ def _dispatch(fn, tensors, rest, plain):
     return dtensor.located(fn, *tensors, *rest)
 
 
-def _call(fn, device_of, tensors, *rest):
+def call(fn, device_of, tensors, *rest):
     """The custom op ``fn`` on ``tensors`` (its device: tensors[device_of]'s) and ``rest``, under
     autocast's rule. Plain tensors in eager go with torch-function handling off: a mode
     (``abft.checked``) would otherwise see every attribute read on the way as a call of its own
     (microseconds each); the op's own function runs with it off anyway."""
     dtensor.ensure()
-    if _plain_eager(tensors):
+    if plain_eager(tensors):
         with torch._C.DisableTorchFunction():
             return _autocast_call(fn, device_of, tensors, rest, True)
     return _autocast_call(fn, device_of, tensors, rest, False)
@@ -519,9 +508,9 @@ def _autocast_call(fn, device_of, tensors, rest, plain):
     tensors, cast = _autocast(tensors[device_of].device.type, *tensors)
     if cast:
         with torch.autocast(tensors[device_of].device.type, enabled=False):
-            out = _dispatch(fn, tensors, rest, plain)
+            out = dispatch(fn, tensors, rest, plain)
     else:
-        out = _dispatch(fn, tensors, rest, plain)
+        out = dispatch(fn, tensors, rest, plain)
     if carried:
         outputs.record(out, module, fn._qualified_op_name.split("::")[-1])
     return out
@@ -541,38 +530,38 @@ def matmul(a, b, *, module=None):
     """
     if not ops.enabled():
         return torch.matmul(a, b)
-    if _transformed(a, b):
+    if transformed(a, b):
         return _plain("matmul", module, torch.matmul, a, b)
     with torch._C.DisableTorchFunction():       # the flags' reads, unseen by torch-function modes
         flags = a.requires_grad, b.requires_grad
-    return _call(torch.ops.abft.matmul, 0, (a, b), *flags, module or "")
+    return call(torch.ops.abft.matmul, 0, (a, b), *flags, module or "")
 
 
 def mm(a, b, *, module=None):
     """Checked ``torch.mm`` (M, K) @ (K, N), with checked backward."""
     if not ops.enabled():
         return torch.mm(a, b)
-    if _transformed(a, b):
+    if transformed(a, b):
         return _plain("mm", module, torch.mm, a, b)
-    return _call(torch.ops.abft.mm, 0, (a, b), module or "")
+    return call(torch.ops.abft.mm, 0, (a, b), module or "")
 
 
 def bmm(a, b, *, module=None):
     """Checked ``torch.bmm`` (B, M, K) @ (B, K, N), with checked backward."""
     if not ops.enabled():
         return torch.bmm(a, b)
-    if _transformed(a, b):
+    if transformed(a, b):
         return _plain("bmm", module, torch.bmm, a, b)
-    return _call(torch.ops.abft.bmm, 0, (a, b), module or "")
+    return call(torch.ops.abft.bmm, 0, (a, b), module or "")
 
 
 def addmm(input, mat1, mat2, *, beta=1, alpha=1, module=None):
     """Checked ``torch.addmm``: beta * input + alpha * (mat1 @ mat2), with checked backward."""
     if not ops.enabled():
         return torch.addmm(input, mat1, mat2, beta=beta, alpha=alpha)
-    if _transformed(input, mat1, mat2):
+    if transformed(input, mat1, mat2):
         return _plain("addmm", module, torch.addmm, input, mat1, mat2, beta=beta, alpha=alpha)
-    return _call(torch.ops.abft.addmm, 1, (input, mat1, mat2), float(beta),
+    return call(torch.ops.abft.addmm, 1, (input, mat1, mat2), float(beta),
                  float(alpha), module or "")
 
 
@@ -580,10 +569,10 @@ def baddbmm(input, batch1, batch2, *, beta=1, alpha=1, module=None):
     """Checked ``torch.baddbmm``: beta * input + alpha * (batch1 @ batch2), with checked backward."""
     if not ops.enabled():
         return torch.baddbmm(input, batch1, batch2, beta=beta, alpha=alpha)
-    if _transformed(input, batch1, batch2):
+    if transformed(input, batch1, batch2):
         return _plain("baddbmm", module, torch.baddbmm, input, batch1, batch2, beta=beta,
                       alpha=alpha)
-    return _call(torch.ops.abft.baddbmm, 1, (input, batch1, batch2), float(beta),
+    return call(torch.ops.abft.baddbmm, 1, (input, batch1, batch2), float(beta),
                  float(alpha), module or "")
 
 
@@ -598,24 +587,10 @@ def linear(input, weight, bias=None, *, module=None, cache=False):
     """
     if not ops.enabled():
         return torch.nn.functional.linear(input, weight, bias)
-    if _transformed(input, weight, bias):
+    if transformed(input, weight, bias):
         return _plain("linear", module, torch.nn.functional.linear, input, weight, bias)
     wkey = weightcache.key(weight) if cache else 0
-    return _call(torch.ops.abft.linear, 0, (input, weight, bias), module or "", wkey)
-
-
-def _impls(*defs):
-    """The function each custom op runs (``_dispatch`` calls it directly where nothing needs the
-    op), read from torch's CustomOpDef, and the same with the op's autograd rule as a plain
-    ``autograd.Function``; none where a torch version does not keep them there."""
-    impls, functions = {}, {}
-    for d in defs:
-        name, fn = getattr(d, "_name", None), getattr(d, "_init_fn", None)
-        if isinstance(name, str) and callable(fn):
-            op = getattr(torch.ops.abft, name.split("::")[-1])
-            impls[op] = fn
-            functions[op] = _function(name.split("::")[-1], fn, *_RULES[d])
-    return impls, functions
+    return call(torch.ops.abft.linear, 0, (input, weight, bias), module or "", wkey)
 
 
 def _function(name, impl, backward, setup):
@@ -630,5 +605,3 @@ def _function(name, impl, backward, setup):
                 {"forward": staticmethod(forward), "backward": staticmethod(backward)})
 
 
-_IMPLS, _FUNCTIONS = _impls(grad_product, grad_input_kept, linear_op, addmm_op, matmul_op, mm_op,
-                            bmm_op, baddbmm_op)

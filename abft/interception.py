@@ -1,9 +1,9 @@
 """``with abft.checked():`` check the products of unmodified code.
 
-A TorchFunctionMode that routes ``torch.matmul`` (``torch.linalg.matmul``), ``Tensor.matmul``/``@``,
-``torch.mm``, ``torch.bmm``, ``torch.addmm``, ``torch.baddbmm``, ``F.linear`` and ``torch.einsum``
-(where it is a plain product: one contracted index, at most one free index per operand) through
-abft. Module labels come from forward hooks it installs (qualified names when ``model`` is given,
+A TorchFunctionMode that routes the torch functions of the table of checked ops
+(``abft.optable``: ``torch.matmul`` and ``torch.linalg.matmul``, ``Tensor.matmul``/``@``,
+``torch.mm``, ``torch.bmm``, ``torch.addmm``, ``torch.baddbmm``, ``F.linear``) and ``torch.einsum`` (where it is a plain product: one contracted index, at
+most one free index per operand) through abft. Module labels come from forward hooks it installs (qualified names when ``model`` is given,
 class names otherwise). ``F.scaled_dot_product_attention`` is computed as its math decomposition
 with both products checked when ``sdpa=True``; otherwise it is counted as unprotected, as are
 convolutions, einsum forms that are not products, the products abft has no checked form of
@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch.overrides import TorchFunctionMode
 
 from abft import autograd, coverage, ops
+from abft.optable import INTERCEPTS
 from abft.detectors import attention
 from abft.detectors import outputs
 from abft.integrations import dtensor
@@ -302,7 +303,8 @@ class checked(TorchFunctionMode):
 
     def __torch_function__(self, func, types, args=(), kwargs=None):
         kwargs = kwargs or {}
-        if func not in _OWN and not isinstance(func, FunctionType) and type(func) not in _ATEN_TYPES:
+        if func not in INTERCEPTS and func not in _OWN and not isinstance(func, FunctionType) and \
+                type(func) not in _ATEN_TYPES:
             # most calls: torch's own compiled functions, methods and attributes, which abft
             # leaves alone and which call no torch function back (so no pass-through mark)
             if not outputs.operands():
@@ -323,8 +325,9 @@ class checked(TorchFunctionMode):
 
     def _handle(self, func, args, kwargs):
         mod = self._label or current_module()
-        if func in _PRODUCTS:
-            return _PRODUCTS[func](func, mod, args, kwargs)
+        op = INTERCEPTS.get(func)
+        if op is not None:
+            return _handler(op)(func, mod, args, kwargs)
         if func is torch.einsum:
             operands = args[1:] if len(args) > 2 else (args[1] if len(args) == 2 and isinstance(args[1], (list, tuple)) else args[1:])
             if len(operands) == 2 and not kwargs:
@@ -410,12 +413,18 @@ def _to_out(func, args, kwargs, out, compute):
     return out
 
 
-def _product(name, compute, *operands_of, optional=()):
-    """A handler with torch's signature: ``compute(mod, **bound)`` for a product whose tensor
-    arguments (``operands_of``, and ``optional`` ones where given and not None, by torch's names)
-    abft checks, torch's own call otherwise (counted as unprotected); keywords bound by torch's
-    names, so an argument torch does not take raises torch's own error."""
-    sig = _SIGS[name]
+_handlers = {}
+
+
+def _handler(op):
+    """The handler of the checked op ``op`` (an ``abft.optable`` row), made once: torch's
+    signature, ``op.call(mod, **bound)`` where abft checks the tensor arguments (``op.operands``,
+    and ``op.optional`` ones where given and not None, by torch's names), torch's own call
+    otherwise (counted as unprotected); keywords bound by torch's names, so an argument torch
+    does not take raises torch's own error."""
+    if op.name in _handlers:
+        return _handlers[op.name]
+    sig = _sig(op.signature)
     pos = [p.name for p in sig.parameters.values() if p.kind == p.POSITIONAL_OR_KEYWORD]
     required = sum(sig.parameters[p].default is sig.empty for p in pos)
 
@@ -427,13 +436,14 @@ def _product(name, compute, *operands_of, optional=()):
         except TypeError:
             return func(*args, **kwargs)               # torch's own error (or an overload we lack)
         out = bound.pop("out", None)
-        ops_ = [bound[k] for k in operands_of] + \
-            [bound[k] for k in optional if bound.get(k) is not None]
+        ops_ = [bound[k] for k in op.operands] + \
+            [bound[k] for k in op.optional if bound.get(k) is not None]
         if not _checkable(*ops_) or (out is not None and not _checkable(out)):
-            coverage.unprotected(name, mod)
+            coverage.unprotected(op.name, mod)
             return func(*args, **kwargs)
-        run = lambda: compute(mod, **bound)
+        run = lambda: op.call(mod, **bound)
         return run() if out is None else _to_out(func, args, kwargs, out, run)
+    _handlers[op.name] = handle
     return handle
 
 
@@ -445,41 +455,7 @@ def _sig(text):
     return inspect.signature(ns["f"])
 
 
-# torch's signatures of the functions checked() intercepts (methods: self is the first operand)
-_SIGS = {
-    "matmul": _sig("(input, other, *, out=None)"),
-    "mm": _sig("(input, mat2, *, out=None)"),
-    "bmm": _sig("(input, mat2, *, out=None)"),
-    "addmm": _sig("(input, mat1, mat2, *, beta=1, alpha=1, out=None)"),
-    "baddbmm": _sig("(input, batch1, batch2, *, beta=1, alpha=1, out=None)"),
-    "linear": _sig("(input, weight, bias=None, *, out=None)"),
-    "rmatmul": _sig("(input, other)"),
-}
-
-_matmul = _product("matmul", lambda mod, input, other: autograd.matmul(input, other, module=mod),
-                   "input", "other")
-_mm = _product("mm", lambda mod, input, mat2: autograd.mm(input, mat2, module=mod), "input", "mat2")
-_bmm = _product("bmm", lambda mod, input, mat2: autograd.bmm(input, mat2, module=mod), "input", "mat2")
-_addmm = _product("addmm", lambda mod, input, mat1, mat2, beta=1, alpha=1: autograd.addmm(
-    input, mat1, mat2, beta=beta, alpha=alpha, module=mod), "input", "mat1", "mat2")
-_baddbmm = _product("baddbmm", lambda mod, input, batch1, batch2, beta=1, alpha=1: autograd.baddbmm(
-    input, batch1, batch2, beta=beta, alpha=alpha, module=mod), "input", "batch1", "batch2")
-_linear = _product("linear", lambda mod, input, weight, bias=None: autograd.linear(
-    input, weight, bias, module=mod), "input", "weight", optional=("bias",))
-_rmatmul = _product("rmatmul", lambda mod, input, other: autograd.matmul(other, input, module=mod),
-                    "input", "other")
-
-_PRODUCTS = {
-    torch.matmul: _matmul, torch.linalg.matmul: _matmul, torch.Tensor.matmul: _matmul,
-    torch.Tensor.__matmul__: _matmul,
-    torch.Tensor.__rmatmul__: _rmatmul,
-    torch.mm: _mm, torch.Tensor.mm: _mm,
-    torch.bmm: _bmm, torch.Tensor.bmm: _bmm,
-    torch.addmm: _addmm, torch.Tensor.addmm: _addmm,
-    torch.baddbmm: _baddbmm, torch.Tensor.baddbmm: _baddbmm,
-    F.linear: _linear,
-}
-
-# every function the mode does something with (the rest pass straight through)
-_OWN = frozenset(_PRODUCTS) | frozenset(_UNPROTECTED) | {torch.einsum, F.scaled_dot_product_attention,
-                                                         F.multi_head_attention_forward}
+# every function the mode does something with besides the checked ops' (the rest pass straight
+# through)
+_OWN = frozenset(_UNPROTECTED) | {torch.einsum, F.scaled_dot_product_attention,
+                                  F.multi_head_attention_forward}

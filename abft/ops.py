@@ -188,14 +188,17 @@ def _sample(op, phase, labels):
     return n % s.sample_every == 0
 
 
-def run_checked(pb, *, phase="forward", module=None):
-    """Check ``pb`` on its backend under the current labels and policy; returns the op's result
-    (pb's, or its recomputation's under the recompute policy)."""
+def run_checked(pb, *, phase="forward", module=None, labels=None):
+    """Check ``pb`` on its backend under the current labels (and ``labels``: this call's own)
+    and policy; returns the op's result (pb's, or its recomputation's under the recompute
+    policy)."""
     s = _config.get()
     sc = context.current()
-    labels = dict(sc.labels)
+    extra, labels = labels, dict(sc.labels)
     if module:
         labels["module"] = module
+    if extra:
+        labels.update(extra)
     if labels.get("phase"):
         phase = labels["phase"]
     elif phase == "forward" and torch._C._current_graph_task_id() != -1:
@@ -278,16 +281,16 @@ def enabled():
     return _config.get().enabled
 
 
-def _route(*ts, shape_ok=True):
-    """Where an op runs: "off" (checks disabled: the torch op), or the name of the backend that
+def route(*ts, shape_ok=True):
+    """Where a product of ``ts`` runs: "off" (checks disabled: the torch op), or the name of the backend that
     checks it (``backends.route``; a computing backend only where it takes the shape)."""
     if not enabled():
         return "off"
     name = backends.route(_config.get().backend, *ts)
-    return name if shape_ok or not _computes(name) else backends.REFERENCE
+    return name if shape_ok or not computes(name) else backends.REFERENCE
 
 
-def _computes(name):
+def computes(name):
     return name != "off" and backends.get(name).computes
 
 
@@ -313,8 +316,8 @@ def matmul(a, b, *, op="matmul", phase="forward", module=None, a_rg=False, b_rg=
     caller's operands require grad, which steers that decomposition as it steers torch's.
     ``b_stats``: statistics of a 2-D ``b`` kept between calls (a weight's, ``abft.weightcache``),
     used when the decomposition multiplies by ``b`` as given."""
-    route = _route(a, b)
-    if route == "off":
+    where = route(a, b)
+    if where == "off":
         return torch.matmul(a, b)
     _require_float(op, a, b)
     if a.dim() == 2 and b.dim() == 2:         # mm, the common case: no decomposition to plan
@@ -329,7 +332,7 @@ def matmul(a, b, *, op="matmul", phase="forward", module=None, a_rg=False, b_rg=
     kw = dict(flat_rows=flat, finish=fin, b_stats=_kept(y, b, b_stats))
     if kind == "bmm":
         kw["flat_batch"] = batch if len(batch) != 1 else None
-    pb = _kernel(route, op, x, y, **kw) if _computes(route) else _computed(op, x, y, compute, **kw, backend=route)
+    pb = _kernel(where, op, x, y, **kw) if computes(where) else _computed(op, x, y, compute, **kw, backend=where)
     return run_checked(pb, phase=phase, module=module)
 
 
@@ -371,12 +374,12 @@ def _torch_op(op, a, b, compute, ts, shape_ok, *, phase="forward", module=None, 
     """A product torch computes as ``compute()`` (mm, bmm, addmm, baddbmm), checked: the plain
     call with checks off, the fused kernel where it takes the operands ``ts``, else the torch op
     then the reference check."""
-    route = _route(*ts, shape_ok=shape_ok)
-    if route == "off":
+    where = route(*ts, shape_ok=shape_ok)
+    if where == "off":
         return compute()
-    if _computes(route):
-        return run_checked(_kernel(route, op, a, b, **kw), phase=phase, module=module)
-    pb = _computed(op, a, b, compute, **kw, backend=route)
+    if computes(where):
+        return run_checked(_kernel(where, op, a, b, **kw), phase=phase, module=module)
+    pb = _computed(op, a, b, compute, **kw, backend=where)
     _require_float(op, *ts)
     return run_checked(pb, phase=phase, module=module)
 
@@ -418,18 +421,18 @@ def baddbmm(input, batch1, batch2, *, beta=1, alpha=1, module=None):
 @_plain
 def linear(input, weight, bias=None, *, module=None, weight_stats=None):
     """Checked ``F.linear``: input (..., in) @ weight.T (out, in) + bias (out,)."""
-    route = _route(input, weight, shape_ok=input.dim() >= 2 and (bias is None or bias.dim() == 1))
-    if route == "off":
+    where = route(input, weight, shape_ok=input.dim() >= 2 and (bias is None or bias.dim() == 1))
+    if where == "off":
         return F.linear(input, weight, bias)
-    if _computes(route):
+    if computes(where):
         lead = tuple(input.shape[:-1])
-        pb = _kernel(route, "linear", rows2d(input), weight.t(), addend=bias, b_stats=weight_stats,
+        pb = _kernel(where, "linear", rows2d(input), weight.t(), addend=bias, b_stats=weight_stats,
                      flat_rows=lead if len(lead) > 1 else None,
                      finish=lambda c: c.view(*lead, c.shape[-1]))
         return run_checked(pb, module=module)
     out = F.linear(input, weight, bias)
     _require_float("linear", input, weight, *(() if bias is None else (bias,)))
-    return run_checked(_linear_problem(input, weight, bias, weight_stats, out, route), module=module)
+    return run_checked(_linear_problem(input, weight, bias, weight_stats, out, where), module=module)
 
 
 def _linear_problem(input, weight, bias, weight_stats, out, backend):
@@ -446,6 +449,23 @@ def _linear_problem(input, weight, bias, weight_stats, out, backend):
 
 
 @_plain
+def product_part(op, a, b, c, backend, *, phase="forward", module=None, labels=None):
+    """One 2-D product a @ b of an op computed in parts (a grouped product's groups), checked on
+    ``backend`` (``route``'s answer, not "off"): ``c``, a view of the op's output, holds the part
+    torch computed, or receives the part a computing backend computes. Returns c, repaired or
+    recomputed in place as the policy says."""
+    if computes(backend):
+        out = run_checked(_kernel(backend, op, a, b), phase=phase, module=module, labels=labels)
+    else:
+        pb = Problem(op, a, b, c, backend=backend,
+                     again=lambda: _computed(op, a, b, lambda: a.mm(b), backend=backend))
+        out = run_checked(pb, phase=phase, module=module, labels=labels)
+    if out is not c:
+        c.copy_(out)
+    return c
+
+
+@_plain
 def check_views(op, a, b, c, *, module=None, phase="forward"):
     """Check an already computed product c (..., M, N) == a (..., M, K) @ b (..., K, N), given as
     views (einsum): no recompute is possible, so a recompute policy raises on an alarm (logged,
@@ -453,6 +473,6 @@ def check_views(op, a, b, c, *, module=None, phase="forward"):
     if not enabled():
         return
     _require_float(op, a, b)
-    name = _route(a, b)
-    run_checked(Problem(op, a, b, c, backend=backends.REFERENCE if _computes(name) else name), phase=phase,
+    name = route(a, b)
+    run_checked(Problem(op, a, b, c, backend=backends.REFERENCE if computes(name) else name), phase=phase,
                 module=module)

@@ -196,3 +196,14 @@ def test_alarms_are_built_by_their_kinds_factories():
             if isinstance(node, ast.Call) and getattr(node.func, "id", getattr(node.func, "attr", None)) == "Alarm":
                 calls.setdefault(name, []).append(node.lineno)
     assert set(calls) == {"abft.alarms"}, calls
+
+
+def test_the_public_api_is_this_list():
+    """abft's public names: one added or lost is a change users see."""
+    import abft
+    assert sorted(abft.__all__) == sorted([
+        "StepGuard", "GuardHalt", "RestCheck", "RecomputeCheck", "CommCheck", "Ledger", "OutputCheck",
+        "matmul", "mm", "bmm", "addmm", "baddbmm", "linear", "scope", "config", "inject",
+        "flush", "alarms", "stats", "margin", "coverage", "reset", "protect", "unprotect", "checked",
+        "nn", "Alarm", "AlarmLog", "SilentCorruptionError", "__version__"])
+    assert all(hasattr(abft, n) for n in abft.__all__)

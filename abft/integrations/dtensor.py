@@ -156,35 +156,45 @@ def _held(spec):
     return () if spec is None else tuple(spec.placements)
 
 
-def _register():
-    import torch
-    from torch.distributed.tensor.experimental import register_sharding
-
-    ops = torch.ops.abft
-
-    def product(a, b, extra):
+def product_sharding(extra):
+    """The sharding rule of a custom op taking (a, b, then ``extra`` arguments that are not
+    tensors): torch.matmul's placements (``product_rules``)."""
+    def rules(a, b, *rest):
         return [([o], [qa, qb, *([None] * extra)]) for o, qa, qb in
                 product_rules(_shape(a), _shape(b), _held(a), _held(b))]
+    return rules
 
-    @register_sharding(ops.linear.default)
-    def _(x, w, b, module, wkey):
-        return [([o], [qx, qw, qb, None, None]) for o, qx, qw, qb in
-                linear_rules(_shape(x), _shape(w), _shape(b), _held(x), _held(w))]
 
-    @register_sharding(ops.matmul.default)
-    def _(a, b, a_rg, b_rg, module):
-        return product(a, b, 3)
+def linear_sharding(x, w, b, module, wkey):
+    """abft::linear's rule: F.linear's placements (``linear_rules``)."""
+    return [([o], [qx, qw, qb, None, None]) for o, qx, qw, qb in
+            linear_rules(_shape(x), _shape(w), _shape(b), _held(x), _held(w))]
 
-    @register_sharding([ops.mm.default, ops.bmm.default])
-    def _(a, b, module):
-        return product(a, b, 1)
 
-    @register_sharding(ops.grad_product.default)
-    def _(a, b, kind, op, phase, module):
-        return product(a, b, 4)
+def addmm_sharding(input, m1, m2, beta, alpha, module):
+    """abft::addmm's and abft::baddbmm's rule: the product's placements, the added input
+    placed as a bias beside the output (``_bias``)."""
+    out = (*_shape(m1)[:-1], _shape(m2)[-1])
+    return [([o], [_bias(o, _shape(input), out), qa, qb, None, None, None])
+            for o, qa, qb in product_rules(_shape(m1), _shape(m2), _held(m1), _held(m2))]
 
-    @register_sharding([ops.addmm.default, ops.baddbmm.default])
-    def _(input, m1, m2, beta, alpha, module):
-        out = (*_shape(m1)[:-1], _shape(m2)[-1])
-        return [([o], [_bias(o, _shape(input), out), qa, qb, None, None, None])
-                for o, qa, qb in product_rules(_shape(m1), _shape(m2), _held(m1), _held(m2))]
+
+_RULES = []          # (custom op, its sharding rule), registered once DTensor is in use
+
+
+def rule(op_def, fn):
+    """Give the custom op ``op_def`` the sharding rule ``fn`` (``abft.optable.register`` calls
+    it): at once where the rules are registered already, else with them."""
+    _RULES.append((op_def, fn))
+    if _done:
+        _register_one(op_def, fn)
+
+
+def _register_one(op_def, fn):
+    from torch.distributed.tensor.experimental import register_sharding
+    register_sharding(getattr(torch.ops.abft, op_def._name.split("::")[-1]).default)(fn)
+
+
+def _register():
+    for op_def, fn in _RULES:
+        _register_one(op_def, fn)
