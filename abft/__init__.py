@@ -14,6 +14,7 @@ from abft.settings import config
 from abft.context import scope
 from abft.hook import inject
 from abft.autograd import addmm, baddbmm, bmm, linear, matmul, mm
+from abft.grouped import grouped_mm
 from abft import nn
 from abft.nn import protect, unprotect
 from abft.interception import checked
@@ -82,6 +83,6 @@ def reset():
     _outputs.forget_sites()
 
 
-__all__ = ["StepGuard", "GuardHalt", "RestCheck", "RecomputeCheck", "CommCheck", "Ledger", "OutputCheck", "matmul", "mm", "bmm", "addmm", "baddbmm", "linear", "scope", "config", "inject",
+__all__ = ["StepGuard", "GuardHalt", "RestCheck", "RecomputeCheck", "CommCheck", "Ledger", "OutputCheck", "matmul", "mm", "bmm", "addmm", "baddbmm", "linear", "grouped_mm", "scope", "config", "inject",
            "flush", "alarms", "stats", "margin", "coverage", "reset", "protect", "unprotect", "checked", "nn", "Alarm", "AlarmLog", "SilentCorruptionError",
            "__version__"]

@@ -2,7 +2,8 @@
 
 A TorchFunctionMode that routes the torch functions of the table of checked ops
 (``abft.optable``: ``torch.matmul`` and ``torch.linalg.matmul``, ``Tensor.matmul``/``@``,
-``torch.mm``, ``torch.bmm``, ``torch.addmm``, ``torch.baddbmm``, ``F.linear``) and ``torch.einsum`` (where it is a plain product: one contracted index, at
+``torch.mm``, ``torch.bmm``, ``torch.addmm``, ``torch.baddbmm``, ``F.linear``,
+``torch._grouped_mm``) and ``torch.einsum`` (where it is a plain product: one contracted index, at
 most one free index per operand) through abft. Module labels come from forward hooks it installs (qualified names when ``model`` is given,
 class names otherwise). ``F.scaled_dot_product_attention`` is computed as its math decomposition
 with both products checked when ``sdpa=True``; otherwise it is counted as unprotected, as are
@@ -198,7 +199,7 @@ _ATEN_PRODUCTS = frozenset({"mm", "bmm", "addmm", "addmm_", "baddbmm", "baddbmm_
                             "_convolution", "conv1d", "conv2d", "conv3d", "conv_transpose1d",
                             "conv_transpose2d", "conv_transpose3d", "_scaled_dot_product_flash_attention",
                             "_scaled_dot_product_efficient_attention", "scaled_dot_product_attention",
-                            "tensordot", "einsum"})
+                            "tensordot", "einsum", "_grouped_mm"})
 _ATEN_TYPES = (torch._ops.OpOverload, torch._ops.OpOverloadPacket)
 
 

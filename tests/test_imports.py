@@ -203,7 +203,7 @@ def test_the_public_api_is_this_list():
     import abft
     assert sorted(abft.__all__) == sorted([
         "StepGuard", "GuardHalt", "RestCheck", "RecomputeCheck", "CommCheck", "Ledger", "OutputCheck",
-        "matmul", "mm", "bmm", "addmm", "baddbmm", "linear", "scope", "config", "inject",
+        "matmul", "mm", "bmm", "addmm", "baddbmm", "linear", "grouped_mm", "scope", "config", "inject",
         "flush", "alarms", "stats", "margin", "coverage", "reset", "protect", "unprotect", "checked",
         "nn", "Alarm", "AlarmLog", "SilentCorruptionError", "__version__"])
     assert all(hasattr(abft, n) for n in abft.__all__)

@@ -9,7 +9,7 @@ from abft.optable import CheckedOp
 
 
 def test_every_intercepted_function_is_one_rows_and_each_row_names_its_custom_op():
-    assert {"matmul", "rmatmul", "mm", "bmm", "addmm", "baddbmm", "linear",
+    assert {"matmul", "rmatmul", "mm", "bmm", "addmm", "baddbmm", "linear", "grouped_mm",
             "grad_product", "grad_input_kept"} <= set(optable.OPS)
     for f, op in optable.INTERCEPTS.items():
         assert f in op.intercepts and optable.OPS[op.name] is op
@@ -17,6 +17,7 @@ def test_every_intercepted_function_is_one_rows_and_each_row_names_its_custom_op
         if op.custom_op is not None:
             assert hasattr(torch.ops.abft, op.custom_op._name.split("::")[-1])
     assert optable.INTERCEPTS[torch.Tensor.__matmul__].name == "matmul"
+    assert optable.INTERCEPTS[torch._grouped_mm].name == "grouped_mm"
 
 
 def test_a_taken_name_or_function_is_refused_and_nothing_is_wired():
