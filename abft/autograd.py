@@ -488,24 +488,24 @@ def dispatch(fn, tensors, rest, plain):
     return dtensor.located(fn, *tensors, *rest)
 
 
-def call(fn, device_of, tensors, *rest):
+def call(fn, device_of, tensors, *rest, autocast=True):
     """The custom op ``fn`` on ``tensors`` (its device: tensors[device_of]'s) and ``rest``, under
-    autocast's rule. Plain tensors in eager go with torch-function handling off: a mode
+    autocast's rule (``autocast=False``: an op autocast leaves alone, as torch's grouped product). Plain tensors in eager go with torch-function handling off: a mode
     (``abft.checked``) would otherwise see every attribute read on the way as a call of its own
     (microseconds each); the op's own function runs with it off anyway."""
     dtensor.ensure()
     if plain_eager(tensors):
         with torch._C.DisableTorchFunction():
-            return _autocast_call(fn, device_of, tensors, rest, True)
-    return _autocast_call(fn, device_of, tensors, rest, False)
+            return _autocast_call(fn, device_of, tensors, rest, True, autocast)
+    return _autocast_call(fn, device_of, tensors, rest, False, autocast)
 
 
-def _autocast_call(fn, device_of, tensors, rest, plain):
+def _autocast_call(fn, device_of, tensors, rest, plain, autocast):
     carried = outputs.active()            # an OutputCheck is on: the output is verified at its death
     module = (next((r for r in rest if isinstance(r, str)), "") or None) if carried else None
     if carried and outputs.operands():    # and it takes operands: these were read
         outputs.read(tensors, module)
-    tensors, cast = _autocast(tensors[device_of].device.type, *tensors)
+    tensors, cast = _autocast(tensors[device_of].device.type, *tensors) if autocast else (tensors, False)
     if cast:
         with torch.autocast(tensors[device_of].device.type, enabled=False):
             out = dispatch(fn, tensors, rest, plain)

@@ -159,7 +159,8 @@ def grouped_mm(mat_a, mat_b, offs=None, *, module=None):
     if autograd.transformed(mat_a, mat_b):
         coverage.unprotected("grouped_mm", module or None)
         return torch._grouped_mm(mat_a, mat_b, offs=offs)
-    return autograd.call(torch.ops.abft.grouped_mm, 0, (mat_a, mat_b, offs), "forward", module or "")
+    return autograd.call(torch.ops.abft.grouped_mm, 0, (mat_a, mat_b, offs), "forward", module or "",
+                         autocast=False)           # torch's grouped product is not autocast's
 
 
 def _intercepted(module, mat_a, mat_b, offs=None, bias=None, out_dtype=None):

@@ -196,3 +196,46 @@ def test_atens_grouped_product_called_directly_is_counted_unprotected():
     with abft.checked():
         torch.ops.aten._grouped_mm(a, b, OFFS)
     assert [(r["op"], r["unprotected"]) for r in abft.coverage()] == [("aten._grouped_mm", 1)]
+
+
+def test_autocast_leaves_the_grouped_product_alone_as_it_does_torchs():
+    a, b = torch.randn(12, 8), torch.randn(4, 8, 16)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        y, want = abft.grouped_mm(a, b, OFFS), torch._grouped_mm(a, b, offs=OFFS)
+    assert y.dtype == want.dtype == torch.float32 and torch.equal(y, want)
+
+
+def test_a_mixtral_with_grouped_experts_trains_bit_for_bit_under_checked_and_a_fault_is_located():
+    """transformers' Mixtral (from a config) with ``experts_implementation="grouped_mm"``:
+    its experts call ``F.grouped_mm`` (torch._grouped_mm); three AdamW steps with clipping under
+    ``abft.checked(model)`` equal the plain run's, every expert's product checked."""
+    import copy
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.MixtralConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                     num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                     num_local_experts=4, num_experts_per_tok=2, max_position_embeddings=64)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, experts_implementation="grouped_mm")
+    ref, x = copy.deepcopy(model), torch.randint(0, 64, (2, 16), generator=torch.Generator().manual_seed(1))
+
+    def train(m, checked):
+        opt = torch.optim.AdamW(m.parameters(), lr=1e-3)
+        for _ in range(3):
+            with abft.checked(m) if checked else torch.enable_grad():
+                m(x, labels=x).loss.backward()
+            torch.nn.utils.clip_grad_norm_(m.parameters(), 1.0)
+            opt.step()
+            opt.zero_grad()
+
+    train(ref, False)
+    train(model, True)
+    assert all(torch.equal(p, q) for p, q in zip(ref.parameters(), model.parameters()))
+    rows = {r["module"]: r["checked"] for r in abft.coverage() if r["op"] == "grouped_mm"}
+    # 3 steps x 2 grouped products (up, down) x (forward + 2 gradients) x 4 experts
+    assert rows == {"model.layers.0.mlp.experts": 72, "model.layers.1.mlp.experts": 72}
+    assert not abft.flush()
+    with abft.inject(when=lambda c: c.module == "model.layers.1.mlp.experts" and c.phase == "grad_b"
+                     and c.labels["group"] == 2, kind="add", value=10.0, row=3, col=1):
+        with abft.checked(model):
+            model(x, labels=x).loss.backward()
+    assert [(a.module, a.phase, a.labels["group"], a.row, a.col) for a in abft.flush()] == \
+        [("model.layers.1.mlp.experts", "grad_b", 2, 3, 1)]
