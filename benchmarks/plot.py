@@ -7,6 +7,7 @@ machine, figures), or an ``abft bench --validate`` report (validate_*.json)."""
 import argparse
 import json
 import pathlib
+import shlex
 import sys
 
 HERE = pathlib.Path(__file__).resolve().parent
@@ -179,15 +180,19 @@ def headline(doc):
     if k == "validate":
         s = validate_report(doc)["sections"]
         b, st = s["bitflips"]["result"], s["stress"]["result"]
-        lay = ", ".join(f"{r['shape']} {r['ratio']:.1f}x" for r in s["timings"]["result"]["layers"])
-        return (f"bf16 flips above rounding missed: {b['above_missed']} of {b['above_rounding']}; "
+        t = s["timings"]["result"]
+        per = [g["checked_ms"] / g["unchecked_ms"] for g in t["gemms"]]
+        lay = ", ".join(f"{r['shape']} {r['ratio']:.1f}x" for r in t["layers"])
+        return (f"fused kernel checked / unchecked per GEMM {min(per):.2f}-{max(per):.2f}; bf16 "
+                f"flips above rounding missed: {b['above_missed']} of {b['above_rounding']}; "
                 f"stress: {st['alarmed_tiles']} false alarms in {st['cases']} cases; "
                 f"a protected nn.Linear step against a plain one: {lay}")
     f = doc["figures"]
-    if k in ("bench", "attnbench"):
-        rows = f["rows"]
-        pick = (lambda r: r["torch_attention"]) if k == "attnbench" else (lambda r: r)
-        return "checked / plain: " + ", ".join(f"{r['shape']} {pick(r)['ratio']:.3f}" for r in rows)
+    if k == "bench":
+        return "checked / plain: " + ", ".join(f"{r['shape']} {r['ratio']:.3f}" for r in f["rows"])
+    if k == "attnbench":
+        return "torch attention with invariants / without: " + ", ".join(
+            f"{r['shape']} {r['torch_attention']['ratio']:.3f}" for r in f["rows"])
     if k in ("guardbench", "pairbench"):
         return "x plain step: " + ", ".join(f"{n} {v:.2f}" for n, v in f["over_plain"].items()
                                             if n != "plain")
@@ -206,10 +211,14 @@ def headline(doc):
         return "layer, estimated checked / unchecked: " + ", ".join(
             f"{r['layer']} {r['label']} {r['ratio']:.4f}" for r in f["layers"]
             if r["label"] in ("as built", "floor"))
-    if k in ("bitflips", "gpu_threshold", "rowflips"):
+    if k == "rowflips":
+        return (f"flips above bf16 rounding caught: row check {sum(r['row'] for r in f['rows'])}, "
+                f"tile kernel {sum(r['tile'] for r in f['rows'])}, of "
+                f"{sum(r['above'] for r in f['rows'])}")
+    if k in ("bitflips", "gpu_threshold"):
         rows = f["rows"] if k != "gpu_threshold" else [r for g in f["groups"].values() for r in g]
-        above = sum(r.get("above_rounding", r.get("above", 0)) for r in rows)
-        caught = sum(r.get("above_detected", r.get("tile", 0)) for r in rows)
+        above = sum(r["above_rounding"] for r in rows)
+        caught = sum(r["above_detected"] for r in rows)
         return f"flips above bf16 rounding caught: {caught} of {above}"
     if k == "sensitivity":
         return f"{len(f['rows'])} cases, S from {min(r['S'] for r in f['rows']):.1f} to " \
@@ -225,12 +234,31 @@ def headline(doc):
     return ""
 
 
+def command(doc):
+    """The command line without its --note (the file keeps both)."""
+    if "command" not in doc:
+        return "abft bench --validate"
+    words = shlex.split(doc["command"])
+    if "--note" in words:
+        i = words.index("--note")
+        del words[i:i + 2]
+    return shlex.join(words)
+
+
+def load(doc):
+    """The load average when the run started and ended (a validate report has none)."""
+    if "machine" not in doc:
+        return "-"
+    return f"{doc['load_at_start'][0]:.1f}, {doc['machine']['load_average'][0]:.1f}"
+
+
 def table(data):
-    lines = ["| file | command | machine, date | headline |", "|---|---|---|---|"]
+    lines = ["| file | command | machine, date | load average (start, end) | headline |",
+             "|---|---|---|---|---|"]
     for path in sorted(pathlib.Path(data).glob("*.json")):
         doc = json.loads(path.read_text())
-        cmd = doc.get("command", "abft bench --validate")
-        lines.append(f"| `{path.name}` | `{cmd}` | {where(doc)} | {headline(doc)} |")
+        lines.append(f"| `{path.name}` | `{command(doc)}` | {where(doc)} | {load(doc)} | "
+                     f"{headline(doc)} |")
     return "\n".join(lines)
 
 

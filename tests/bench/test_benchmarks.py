@@ -238,3 +238,40 @@ def test_abft_bench_writes_its_data_file(tmp_path, capsys):
     rows = doc["figures"]["rows"]
     assert [r["shape"] for r in rows] == ["matmul 64x64x64", "linear 8x16x24"]
     assert all(r["ratio"] > 0 and r["q1"] <= r["q3"] and r["reps"] == 3 for r in rows)
+
+
+def _committed_data():
+    return sorted((pathlib.Path(ROOT) / "benchmarks" / "data").glob("*.json"))
+
+
+def test_plot_draws_the_committed_data(tmp_path):
+    """benchmarks/plot.py on benchmarks/data: a PNG for every file it has a plot for, and the
+    headline table a row per file."""
+    import plot
+    files = _committed_data()
+    assert any(f.name.startswith("validate_") for f in files) and len(files) >= 8
+    assert plot.main(["--out", str(tmp_path)]) == 0
+    pngs = {p.stem for p in tmp_path.glob("*.png")}
+    want = {f.stem for f in files if plot.kind(json.loads(f.read_text())) in
+            set(plot.PLOTS) | {"validate"}}
+    assert pngs == want and all((tmp_path / f"{p}.png").stat().st_size > 5000 for p in pngs)
+    rows = plot.table(pathlib.Path(ROOT) / "benchmarks" / "data").splitlines()[2:]
+    assert [r.split("`")[1] for r in rows] == [f.name for f in files]
+    assert all(r.rstrip(" |").split("|")[-1].strip() for r in rows)   # a headline each
+
+
+def test_benchmarks_readme_shows_the_current_table():
+    """benchmarks/README.md's table is ``plot.py --table`` of the committed data."""
+    import plot
+    readme = (pathlib.Path(ROOT) / "benchmarks" / "README.md").read_text()
+    assert plot.table(pathlib.Path(ROOT) / "benchmarks" / "data") in readme
+
+
+def test_committed_data_files_are_well_formed():
+    for f in _committed_data():
+        doc = json.loads(f.read_text())
+        if "sections" in doc:               # an abft bench --validate report
+            assert doc["env"]["card"] and doc["sections"]
+            continue
+        assert doc["command"] and doc["date"] and doc["machine"]["cpu"] and doc["figures"], f
+        assert f.stem == doc["name"], f
