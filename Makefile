@@ -6,7 +6,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
 
-.PHONY: demo demo-gemm test test-slow bench report-tightness clean
+.PHONY: demo demo-gemm test test-slow bench plots report-tightness clean
 
 $(STAMP): setup.py constraints.txt
 	$(PY) -m venv $(VENV)
@@ -41,6 +41,10 @@ test-slow: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/abft bench
+
+# benchmarks/plots/*.png from benchmarks/data/*.json (what the scripts wrote with --json)
+plots: $(STAMP)
+	$(BIN)/python benchmarks/plot.py
 
 report-tightness: $(STAMP)
 	$(BIN)/python tests/stress.py --report

@@ -154,6 +154,7 @@ def main(argv=None):
     lg.add_argument("--note", help="with --release: why (kept in the ledger)")
     lg.add_argument("--json", action="store_true", help="the states as JSON")
     args = ap.parse_args(argv)
+    args.argv = sys.argv[1:] if argv is None else list(argv)      # what a benchmark's file records
     if args.cmd == "eval":
         return _eval(args)
     if args.cmd == "report":

@@ -14,6 +14,7 @@ import argparse
 import torch
 import triton
 
+from abft.bench import results
 from abft.kernels import layout as L
 from abft.kernels import triton_gemm as TG
 from abft.kernels.reference import check
@@ -61,12 +62,16 @@ def main(argv=None):
     ap.add_argument("--n", type=int, default=32)
     ap.add_argument("--k", type=int, default=4096)
     ap.add_argument("--trials", type=int, default=12)
+    results.add_arguments(ap, "bitflips")
     args = ap.parse_args(argv)
+    record = results.start(args, "bitflips", argv)
+    rows = run(args.m, args.k, args.n, args.trials)
     print("| accumulator bit | fused (fp32 acc) | reference (bf16 C) | flips above bf16 rounding | of those, fused detected |")
     print("|---|---|---|---|---|")
-    for r in run(args.m, args.k, args.n, args.trials):
+    for r in rows:
         print(f"| {r['bit']} | {r['fused']:.0%} | {r['reference']:.0%} | {r['above_rounding']}/{r['trials']} | "
               f"{r['above_detected']}/{r['above_rounding']} |", flush=True)
+    record.write(dict(m=args.m, k=args.k, n=args.n, trials=args.trials, rows=rows))
 
 
 if __name__ == "__main__":

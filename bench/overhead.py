@@ -198,6 +198,10 @@ def add_arguments(ap):
                          "gradient all-reduce (AdamW, one-rank gloo group), the products' "
                          "outputs carried to their death (both arms checked) or what the "
                          "operands' fingerprints add to that (both arms carried)")
+    from abft.bench import results
+    results.add_arguments(ap, "bench", "; with --model bench_step_DETECTOR.json, --static "
+                                       "bench_static.json, --device cuda bench_cuda.json, "
+                                       "--validate validate.json")
 
 
 GPU_SHAPES = "4096x4096x4096,8192x8192x8192,linear:16384x4096x4096,linear:16384x4096x14336"
@@ -318,13 +322,19 @@ def kernel_bench(args):
           "checked / unchecked | unchecked / torch | checked / torch | checked TFLOP/s | "
           "max err / torch's | alarms |")
     print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    from abft.bench import results
+    record = results.start(args, args.name, args.argv, "abft")
+    rows = []
     for r in kernel_rows(spec, dtype, dev):
+        rows.append(r)
         tflops = 2 * r["m"] * r["k"] * r["n"] / (r["checked_ms"] * 1e-3) / 1e12
         print(f"| {r['label']} | {r['gemm']} {r['m']}x{r['k']}x{r['n']} | {r['torch_ms']:.3f} | "
               f"{r['unchecked_ms']:.3f} | {r['checked_ms']:.3f} | {r['kept_ms']:.3f} | "
               f"{r['checked_ms'] / r['unchecked_ms']:.3f} | "
               f"{r['unchecked_ms'] / r['torch_ms']:.3f} | {r['checked_ms'] / r['torch_ms']:.3f} | "
               f"{tflops:.1f} | {r['err_over_torch']:.2f} | {r['alarms']} |", flush=True)
+    record.write(dict(dtype=str(dtype).replace("torch.", ""), device=name, l2_mib=l2 >> 20,
+                      rows=rows))
     return 0
 
 
@@ -346,7 +356,7 @@ def static_bench(args):
     """``--static``: bad input gets one line naming the option and exit 2, before any compile."""
     import os
     import sys
-    from abft.bench import static
+    from abft.bench import results, static
     if args.arch not in tuple(str(a) for a in static.ARCHS):
         print(f"abft bench: --arch must be one of {', '.join(str(a) for a in static.ARCHS)}, "
               f"got {args.arch!r}", file=sys.stderr)
@@ -359,9 +369,11 @@ def static_bench(args):
         # an interpreted kernel cannot be compiled: run once more without the interpreter
         import subprocess
         env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+        more = [] if args.json is None else ["--json", args.json, "--note", args.note]
         return subprocess.run([sys.executable, "-m", "abft.cli", "bench", "--static", "--arch",
-                               args.arch, "--out", args.out], env=env).returncode
-    static.run(args.out, int(args.arch))
+                               args.arch, "--out", args.out, *more], env=env).returncode
+    record = results.start(args, args.name, args.argv, "abft")
+    record.write(static.run(args.out, int(args.arch)))
     return 0
 
 
@@ -384,6 +396,11 @@ def _bad_input(args):
 def main(args):
     """``abft bench`` but ``--validate`` (``validate.main``)."""
     import sys
+    from abft.bench import results
+    args.name = "bench_static" if args.static else "bench_cuda" if args.device.startswith("cuda") \
+        else f"bench_step_{args.detector}" if args.model else "bench"
+    if args.json == str(results.DATA / "bench.json"):       # --json without FILE: by mode
+        args.json = str(results.DATA / f"{args.name}.json")
     why = _bad_input(args)
     if why:
         print(f"abft bench: {why}", file=sys.stderr)
@@ -394,6 +411,7 @@ def main(args):
         return static_bench(args)
     if args.device.startswith("cuda"):
         return kernel_bench(args)
+    record = results.start(args, args.name, args.argv, "abft")
     dtype = getattr(torch, args.dtype)
     sync = torch.cuda.synchronize if args.device.startswith("cuda") else (lambda: None)
     print("| shape | plain ms | checked ms | checked / plain (median) | IQR |")
@@ -406,7 +424,10 @@ def main(args):
         print(f"| train step {args.model} ({args.detector}) | {r['plain_ms']:.1f} | "
               f"{r['checked_ms']:.1f} | {r['ratio']:.3f} | {r['q1']:.3f}-{r['q3']:.3f} |",
               flush=True)
+        record.write(dict(model=args.model, detector=args.detector, reps=args.reps or 11,
+                          threads=torch.get_num_threads(), rows=[dict(r, shape="train step")]))
         return 0
+    rows = []
     for kind, m, k, n in parse_shapes(args.shapes):
         plain, checked = make_pair(kind, m, k, n, dtype, args.device)
         reps = args.reps or max(5, min(41, int(4e10 / (2 * m * k * n))))
@@ -414,4 +435,7 @@ def main(args):
         name = f"{kind} {m}x{k}x{n}"
         print(f"| {name} | {r['plain_ms']:.1f} | {r['checked_ms']:.1f} | {r['ratio']:.3f} | "
               f"{r['q1']:.3f}-{r['q3']:.3f} |", flush=True)
+        rows.append(dict(r, shape=name, reps=reps))
+    record.write(dict(dtype=args.dtype, device=args.device, threads=torch.get_num_threads(),
+                      rows=rows))
     return 0

@@ -16,6 +16,7 @@ import argparse
 
 import torch
 
+from abft.bench import results
 from abft.kernels import rowcheck as R
 from abft.kernels import triton_gemm as TG
 
@@ -64,12 +65,16 @@ def main(argv=None):
     ap.add_argument("--k", type=int, default=4096)
     ap.add_argument("--n", type=int, default=4096)
     ap.add_argument("--seeds", type=int, default=2)
+    results.add_arguments(ap, "rowflips")
     args = ap.parse_args(argv)
+    record = results.start(args, "rowflips", argv)
+    rows = run(args.m, args.k, args.n, args.seeds)
     print(f"M = {args.m}, K = {args.k}, N = {args.n}, bf16 gaussians, {args.seeds} seeds")
     print("| accumulator bit | flips above bf16 rounding | row check caught | tile kernel caught |")
     print("|---|---|---|---|")
-    for r in run(args.m, args.k, args.n, args.seeds):
+    for r in rows:
         print(f"| {r['bit']} | {r['above']} | {r['row']} | {r['tile']} |", flush=True)
+    record.write(dict(m=args.m, k=args.k, n=args.n, seeds=args.seeds, rows=rows))
 
 
 if __name__ == "__main__":

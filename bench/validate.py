@@ -418,11 +418,17 @@ def main(args):
         # triton read the variable when it loaded: run once more under the interpreter
         import subprocess
         env = dict(os.environ, TRITON_INTERPRET="1")
+        more = [] if args.json is None else ["--json", args.json, "--note", args.note]
         return subprocess.run([sys.executable, "-m", "abft.cli", "bench", "--validate", "--smoke",
-                               "--out", args.out, "--budget", str(args.budget)],
+                               "--out", args.out, "--budget", str(args.budget), *more],
                               env=env).returncode
     os.environ.setdefault("TRITON_INTERPRET", "0" if cuda else "1")
+    from abft.bench import results
+    if args.json == str(results.DATA / "bench.json"):       # --json without FILE
+        args.json = str(results.DATA / "validate.json")
+    record = results.start(args, "validate", args.argv, "abft")
     report = run(args.out, smoke=args.smoke, budget=args.budget)
+    record.write(report)
     print(markdown(report))
     bad = [n for n, s in report["sections"].items() if s["status"] == "error"]
     return 1 if bad else 0

@@ -31,6 +31,7 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import abft
+from abft.bench import results
 from abft.kernels import layout as L
 from abft.kernels import reference
 
@@ -253,7 +254,7 @@ def _measure(pairs, warmup, size, compile, against, alone):
     return out
 
 
-if __name__ == "__main__":
+def cli(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--pairs", type=int, default=2000)
     p.add_argument("--size", type=int, default=64)
@@ -261,8 +262,16 @@ if __name__ == "__main__":
     p.add_argument("--against", metavar="DIR", help="another commit's kernels/ to alternate with")
     p.add_argument("--alone", action="store_true",
                    help="this tree's check only (warm caches: a training loop's steady state)")
-    args = p.parse_args()
+    results.add_arguments(p, "fixedcost")
+    args = p.parse_args(argv)
     if args.against is not None and not (pathlib.Path(args.against) / "reference.py").is_file():
         p.error(f"--against: no reference.py in {args.against}")
-    main(pairs=args.pairs, size=args.size, compile=args.compile, against=args.against,
-         alone=args.alone)
+    record = results.start(args, "fixedcost", argv)
+    out = main(pairs=args.pairs, size=args.size, compile=args.compile, against=args.against,
+               alone=args.alone)
+    record.write(dict(size=args.size, pairs=args.pairs, threads=1, **out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(cli())

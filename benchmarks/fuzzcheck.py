@@ -28,6 +28,7 @@ import time
 
 import torch
 
+from abft.bench import results
 from abft.kernels import layout as L
 from abft.kernels import reference
 
@@ -259,6 +260,7 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--against", metavar="DIR", help="another commit's kernels/ to compare with")
     p.add_argument("--threads", type=int, default=1)
+    results.add_arguments(p, "fuzzcheck")
     args = p.parse_args(argv)
     if args.family not in FAMILIES:
         p.error(f"--family: {args.family!r} is not one of {', '.join(FAMILIES)}")
@@ -277,9 +279,13 @@ def main(argv=None):
         if not (configs.interpreting() or torch.cuda.is_available()):
             p.error("--family: kernel needs TRITON_INTERPRET=1 or a GPU")
     torch.set_num_threads(args.threads)
+    record = results.start(args, "fuzzcheck", argv)
     if args.family == "kernel":
-        return run_kernel(args.seconds, args.seed, args.cases)
-    return run(args.family, args.seconds, args.seed, args.cases, args.against)
+        s = run_kernel(args.seconds, args.seed, args.cases)
+    else:
+        s = run(args.family, args.seconds, args.seed, args.cases, args.against)
+    record.write(dict(s, threads=args.threads))
+    return s
 
 
 if __name__ == "__main__":

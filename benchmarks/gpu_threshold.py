@@ -10,7 +10,7 @@ exactly than the tensor cores, so its clean residuals are smaller: a lead, not t
 """
 import argparse
 
-from abft.bench import bitflips
+from abft.bench import bitflips, results
 from abft.kernels import threshold as T
 from abft.kernels import triton_gemm as TG
 
@@ -33,7 +33,9 @@ def main(argv=None):
     ap.add_argument("--bits", default="10-19")
     ap.add_argument("--trials", type=int, default=10)
     ap.add_argument("--k", type=int, default=4096)
+    results.add_arguments(ap, "gpu_threshold")
     args = ap.parse_args(argv)
+    record = results.start(args, "gpu_threshold", argv)
     lo, _, hi = args.bits.partition("-")
     bits = range(int(lo), int(hi or lo) + 1)
     groups = [int(g) for g in args.groups.split(",")]
@@ -46,6 +48,7 @@ def main(argv=None):
     for g in groups:
         print(f"G={g}: {sum(r['above_detected'] for r in res[g])} of "
               f"{sum(r['above_rounding'] for r in res[g])} flips above bf16 rounding caught")
+    record.write(dict(k=args.k, trials=args.trials, groups={str(g): res[g] for g in groups}))
 
 
 if __name__ == "__main__":

@@ -11,6 +11,7 @@ import time
 import torch
 
 import abft
+from abft.bench import results
 from abft.eval.models import bench_gpt
 
 
@@ -32,6 +33,7 @@ def _allreduce_us(rank, port, out, n=200):
 
 
 def main(rounds=12):
+    """Print the table; returns its figures (ms, ratios to plain, the guard's own costs)."""
     model, (x, y) = bench_gpt()
     plain = copy.deepcopy(model)
     full, sampled = copy.deepcopy(model), copy.deepcopy(model)
@@ -80,7 +82,14 @@ def main(rounds=12):
     us = float(open(out).read())
     print(f"  guard all-reduce (int64[2], gloo, 2 local ranks): {us:.1f} us = "
           f"{100 * us / 1e3 / med['every']:.3f}% of a guarded step")
+    return dict(rounds=rounds, threads=torch.get_num_threads(), step_ms=med,
+                over_plain={k: v / med["plain"] for k, v in med.items()},
+                resolve_ms=resolve_ms, allreduce_us=us)
+
+
+def cli(argv=None):
+    return results.run_rounds("guardbench", main, 12, argv)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(cli())

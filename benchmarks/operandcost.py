@@ -29,6 +29,8 @@ import argparse
 
 import torch
 
+from abft.bench import results
+
 CARDS = {"h100": dict(flops=989e12, bw=3.35e12), "h200": dict(flops=989e12, bw=4.8e12)}
 
 
@@ -93,8 +95,11 @@ def main(argv=None):
     ap.add_argument("--launch-us", type=float, default=5.0, help="per kernel launch (assumed)")
     ap.add_argument("--sync-us", type=float, default=20.0, help="per device wait (assumed)")
     ap.add_argument("--launches", type=int, default=6, help="kernels per fingerprint (assumed)")
+    results.add_arguments(ap, "operandcost")
     args = ap.parse_args(argv)
+    record = results.start(args, "operandcost", argv)
     c = CARDS[args.card]
+    rows = []
     print("| layer (width x ffn) | operands fingerprinted a step | their elements per token | "
           "per token and layer, GEMM FLOPs | GEMMs us | operands' traffic us | launches + "
           "waits us | operands / GEMMs (traffic alone) | traffic of a one-read kernel / GEMMs |")
@@ -113,11 +118,20 @@ def main(argv=None):
               f"{flops:.3g} | {gemm * 1e6:.0f} | {traffic * 1e6:.0f} | {fixed * 1e6:.0f} | "
               f"{(traffic + fixed) / gemm:.3f} ({traffic / gemm:.3f}) | "
               f"{at['bytes'] / c['bw'] / gemm:.3f} |")
+        rows.append(dict(shape=spec, fingerprints=at["calls"],
+                         elements_per_token=(e2["elements"] - e1["elements"]) / (t2 - t1),
+                         flops_per_token=flops, gemm_us=gemm * 1e6, traffic_us=traffic * 1e6,
+                         fixed_us=fixed * 1e6, over_gemms=(traffic + fixed) / gemm,
+                         traffic_over_gemms=traffic / gemm,
+                         one_read_over_gemms=at["bytes"] / c["bw"] / gemm))
     print(f"\nCounted at {args.tokens} and {2 * args.tokens} tokens, priced at {args.step_tokens} "
           f"on a line through the two; one layer (and the head, whose operands count, not its "
           f"FLOPs), bf16 autocast, {args.card}: {c['flops'] / 1e12:.0f} TFLOPS, "
           f"{c['bw'] / 1e12:.2f} TB/s; {args.launches} launches of {args.launch_us} us a "
           f"fingerprint, a wait of {args.sync_us} us a verification (assumed).")
+    record.write(dict(card=args.card, tokens=args.tokens, step_tokens=args.step_tokens,
+                      launch_us=args.launch_us, sync_us=args.sync_us, launches=args.launches,
+                      rows=rows))
     return 0
 
 

@@ -6,6 +6,7 @@ import time
 import torch
 
 import abft
+from abft.bench import results
 from abft.eval.replicas import Replica, TrainConfig, batches, pretrain
 from abft.eval.sync import LocalLink, Sync
 
@@ -47,8 +48,14 @@ def main(rounds=15):
     for k, v in med.items():
         print(f"  {k:8s} {v:8.1f} ms  {v / med['plain']:5.2f}x plain")
     print(f"  paired / (2 x checked) = {med['paired'] / (2 * med['checked']):.2f}")
-    return med
+    return dict(rounds=rounds, threads=torch.get_num_threads(), step_ms=med,
+                over_plain={k: v / med["plain"] for k, v in med.items()},
+                paired_over_two_checked=med["paired"] / (2 * med["checked"]))
+
+
+def cli(argv=None):
+    return results.run_rounds("pairbench", main, 15, argv)
 
 
 if __name__ == "__main__":
-    main()
+    raise SystemExit(cli())

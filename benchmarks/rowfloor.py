@@ -40,6 +40,7 @@ import torch
 import triton
 import triton.language as tl
 
+from abft.bench import results
 from abft.bench import rows as RW
 from abft.bench import sass
 from abft.bench import static as S
@@ -208,7 +209,10 @@ def gluon_warp_specialisation(out_dir):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=None, help="folder for the cubins (default: a temporary one)")
+    results.add_arguments(ap, "rowfloor")
     args = ap.parse_args(argv)
+    record = results.start(args, "rowfloor", argv)
+    figures = dict(variants=[], gemms=[], layers=[])
     out_dir = args.out or tempfile.mkdtemp(prefix="rowfloor_")
     os.makedirs(out_dir, exist_ok=True)
     import abft.kernels.rowcheck as R
@@ -243,6 +247,9 @@ def main(argv=None):
         est = RW.gemm_cost({**built, **got[v]}, *fwd, **kw)["estimated_ratio"] if has_slice else None
         print(f"| {v} | {lps} | {c['outside']} | {u['outside']} | {extra[v]} | "
               f"{pct(extra[v]):.2f}% | {'-' if est is None else f'{est:.4f}'} |")
+        figures["variants"].append(dict(variant=v, loops=c["loops"], outside_checked=c["outside"],
+                                        outside_unchecked=u["outside"], extra=extra[v],
+                                        extra_pct=pct(extra[v]), estimate=est))
     epi = extra["one loop + epilogue"]
     loop2 = extra["two loops, no slice"] - epi
     rest = extra["as built"] - extra["two loops, no slice"]
@@ -254,6 +261,8 @@ def main(argv=None):
     epilogue_ins = sum(diff.values())
     print(f"the epilogue's arithmetic: {epilogue_ins} instructions "
           f"({', '.join(f'{op} {v}' for op, v in diff.items())})")
+    figures.update(tile_cycles=tile_cycles, parts=dict(epilogue=epi, second_loop=loop2, slice=rest),
+                   epilogue_arithmetic=diff)
     print("\n| GEMM | estimate | slice: tensor | slice: LDSM | slice: CUDA cores | hot loop | "
           "outside the loops | HBM | verify launch | checked / unchecked |")
     print("|---|---|---|---|---|---|---|---|---|---|")
@@ -277,19 +286,27 @@ def main(argv=None):
                              ("floor, no verify launch", free),
                              ("floor, no verify launch, epilogue overlapped", hidden)):
                 print(f"| {c['shape']} | {label} | {RW.cost_cells(c)} |")
+                figures["gemms"].append(dict(c, label=label))
                 lay = layers.setdefault((shape, label.split(" (")[0]), [0.0, 0.0])
                 lay[0] += c["checked_s"]
                 lay[1] += c["unchecked_s"]
     for (shape, label), (chk, unc) in layers.items():
         print(f"| layer {shape[0]}x{shape[1]}->{shape[2]}, three GEMMs | {label} | | | | | | | | "
               f"{chk / unc:.4f} |")
+        figures["layers"].append(dict(layer=f"{shape[0]}x{shape[1]}->{shape[2]}", label=label,
+                                      ratio=chk / unc))
     print(f"\nwarp specialisation of a persistent GEMM on sm_90a by this Triton ({triton.__version__}):")
+    figures["warp_specialisation"] = []
     for (warps, ws, flat), (setmax, lps) in warp_specialisation(out_dir).items():
         print(f"  {warps} warps, warp_specialize={ws} flatten={flat}: USETMAXREG {setmax}, "
               f"K loops: instructions (tensor-core) {lps}")
+        figures["warp_specialisation"].append(dict(warps=warps, warp_specialize=ws, flatten=flat,
+                                                   usetmaxreg=setmax, loops=lps))
     g = gluon_warp_specialisation(out_dir)
     print("  Gluon gl.warp_specialize, two partitions: " +
           ("no Gluon in this Triton" if g is None else f"USETMAXREG {g}"))
+    figures["gluon_usetmaxreg"] = g
+    record.write(figures)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ import sys
 
 import torch
 
+from abft.bench import results
 from abft.kernels import backends
 from abft.kernels import layout as L
 from abft.kernels import reference
@@ -124,7 +125,10 @@ def main(argv=None):
     ap.add_argument("--dtypes", nargs="+", default=None, help="e.g. bfloat16 float32")
     ap.add_argument("--tiles", type=int, nargs=2, default=list(_Kernel.tiles),
                     help="the fused kernel's tile (its sums run over the data tiles inside it)")
+    results.add_arguments(ap, "sensitivity")
     args = ap.parse_args(argv)
+    record = results.start(args, "sensitivity", argv)
+    rows = []
     _Kernel.tiles = tuple(args.tiles)
     dtypes = backends.DTYPES
     torch.set_num_threads(1)
@@ -139,6 +143,8 @@ def main(argv=None):
                     r = case(backend, dt, dist, k, args.trials)
                     print(f"| {backend} | {r['dtype']} | {dist} | {k} | {r['S']:.1f} | {r['headroom']:.1f} | "
                           f"{r['e95']:.1e} | {r['confirmed']:.0%} |", flush=True)
+                    rows.append(r)
+    record.write(dict(trials=args.trials, tiles=args.tiles, rows=rows))
 
 
 if __name__ == "__main__":

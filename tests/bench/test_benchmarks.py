@@ -174,3 +174,104 @@ def test_operandcost_prices_a_small_layer(capsys):
     traffic_ratio = float(cells[7].split()[1].strip("()"))
     one_read = float(cells[8])
     assert fingerprints > 0 and per_token > 0 and 0 < one_read < traffic_ratio
+
+
+def _small_runs():
+    """(script, its entry point's name, arguments of a small case, what it needs)."""
+    return [("attnbench", "main", ["--shapes", "2x2x32x16", "--reps", "3"], None),
+            ("guardbench", "cli", ["--rounds", "1"], None),
+            ("pairbench", "cli", ["--rounds", "1"], None),
+            ("fixedcost", "cli", ["--pairs", "10"], None),
+            ("fuzzcheck", "main", ["--cases", "3"], None),
+            ("operandcost", "main", ["--shapes", "64x128x4x2", "--tokens", "8"], "transformers"),
+            ("sensitivity", "main", ["--k", "64", "--trials", "2", "--backends", "reference",
+                                     "--dists", "gaussian", "--dtypes", "float32"], None),
+            ("gpu_threshold", "main", ["--groups", "8", "--bits", "30", "--trials", "1",
+                                       "--k", "128"], "interpreter"),
+            ("rowflips", "main", ["--m", "8", "--k", "64", "--n", "64", "--seeds", "1"],
+             "interpreter")]
+
+
+def _well_formed(path, name):
+    doc = json.loads(pathlib.Path(path).read_text())
+    assert doc["name"] == name and doc["command"].startswith(f"python benchmarks/{name}.py")
+    assert doc["date"][:2] == "20" and doc["seconds"] >= 0 and doc["note"] == "test"
+    m = doc["machine"]
+    assert m["cores"] >= 1 and m["torch"] == torch.__version__ and len(m["load_average"]) == 3
+    assert {"cpu", "triton", "gpu", "interpreter"} <= set(m)
+    assert doc["figures"]
+    return doc
+
+
+@pytest.mark.parametrize("name,entry,argv,needs", _small_runs(), ids=[r[0] for r in _small_runs()])
+def test_each_script_writes_its_data_file(name, entry, argv, needs, tmp_path, capsys):
+    """``--json FILE``: the machine, the date, the command line and the figures, in one file."""
+    import importlib
+    from abft.kernels.configs import interpreting
+    if needs == "transformers":
+        pytest.importorskip("transformers")
+    if needs == "interpreter" and not interpreting():
+        pytest.skip("the kernels run under TRITON_INTERPRET=1 here")
+    out = tmp_path / f"{name}.json"
+    getattr(importlib.import_module(name), entry)(argv + ["--json", str(out), "--note", "test"])
+    doc = _well_formed(out, name)
+    assert doc["command"].endswith(f"--json {out} --note test")
+    assert capsys.readouterr().out          # the printed table stays
+
+
+def test_json_without_a_file_names_benchmarks_data():
+    import argparse
+    from abft.bench import results
+    ap = argparse.ArgumentParser()
+    results.add_arguments(ap, "fixedcost")
+    assert ap.parse_args(["--json"]).json == os.path.join("benchmarks", "data", "fixedcost.json")
+    assert ap.parse_args([]).json is None
+
+
+def test_abft_bench_writes_its_data_file(tmp_path, capsys):
+    from abft import cli
+    out = tmp_path / "bench.json"
+    assert cli.main(["bench", "--shapes", "64x64x64,linear:8x16x24", "--reps", "3",
+                     "--json", str(out)]) == 0
+    doc = json.loads(out.read_text())
+    assert doc["name"] == "bench" and doc["command"].split()[1] == "bench"
+    rows = doc["figures"]["rows"]
+    assert [r["shape"] for r in rows] == ["matmul 64x64x64", "linear 8x16x24"]
+    assert all(r["ratio"] > 0 and r["q1"] <= r["q3"] and r["reps"] == 3 for r in rows)
+
+
+def _committed_data():
+    return sorted((pathlib.Path(ROOT) / "benchmarks" / "data").glob("*.json"))
+
+
+def test_plot_draws_the_committed_data(tmp_path):
+    """benchmarks/plot.py on benchmarks/data: a PNG for every file it has a plot for, and the
+    headline table a row per file."""
+    import plot
+    files = _committed_data()
+    assert any(f.name.startswith("validate_") for f in files) and len(files) >= 8
+    assert plot.main(["--out", str(tmp_path)]) == 0
+    pngs = {p.stem for p in tmp_path.glob("*.png")}
+    want = {f.stem for f in files if plot.kind(json.loads(f.read_text())) in
+            set(plot.PLOTS) | {"validate"}}
+    assert pngs == want and all((tmp_path / f"{p}.png").stat().st_size > 5000 for p in pngs)
+    rows = plot.table(pathlib.Path(ROOT) / "benchmarks" / "data").splitlines()[2:]
+    assert [r.split("`")[1] for r in rows] == [f.name for f in files]
+    assert all(r.rstrip(" |").split("|")[-1].strip() for r in rows)   # a headline each
+
+
+def test_benchmarks_readme_shows_the_current_table():
+    """benchmarks/README.md's table is ``plot.py --table`` of the committed data."""
+    import plot
+    readme = (pathlib.Path(ROOT) / "benchmarks" / "README.md").read_text()
+    assert plot.table(pathlib.Path(ROOT) / "benchmarks" / "data") in readme
+
+
+def test_committed_data_files_are_well_formed():
+    for f in _committed_data():
+        doc = json.loads(f.read_text())
+        if "sections" in doc:               # an abft bench --validate report
+            assert doc["env"]["card"] and doc["sections"]
+            continue
+        assert doc["command"] and doc["date"] and doc["machine"]["cpu"] and doc["figures"], f
+        assert f.stem == doc["name"], f
