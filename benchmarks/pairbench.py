@@ -6,7 +6,8 @@ import time
 import torch
 
 import abft
-from abft.eval.replicas import Replica, TrainConfig, batches, pretrain
+from abft.eval.config import TrainConfig
+from abft.eval.replicas import Replica, batches, pretrain
 from abft.eval.sync import LocalLink, Sync
 
 
