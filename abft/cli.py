@@ -47,19 +47,17 @@ def _demo(args):
 
 def _eval(args):
     import os
-    from abft.eval import campaign, report
+    from abft.eval import campaign, config, report
     try:
-        cfg = campaign.load(args.config)
+        cfg = config.load(args.config)
         if args.steps is not None:
             if args.steps < 1:
                 raise ValueError(f"--steps: a whole number >= 1, got {args.steps}")
-            cfg["train"]["steps"] = args.steps
-            campaign.validate(cfg)
+            cfg = cfg.with_train(steps=args.steps)
         if args.tp is not None:
             from abft.eval.tp import check
-            check(cfg["train"]["heads"], cfg["train"]["dim"], args.tp, "--tp")
-            cfg["train"]["tp"] = args.tp
-            campaign.validate(cfg)
+            check(cfg.train.heads, cfg.train.dim, args.tp, "--tp")
+            cfg = cfg.with_train(tp=args.tp)
         if args.pairs < 0:
             raise ValueError(f"--pairs: a whole number >= 0, got {args.pairs}")
         campaign.run(cfg, args.out, resume=args.resume, pairs=args.pairs,

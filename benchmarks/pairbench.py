@@ -7,7 +7,8 @@ import torch
 
 import abft
 from abft.bench import results
-from abft.eval.replicas import Replica, TrainConfig, batches, pretrain
+from abft.eval.config import TrainConfig
+from abft.eval.replicas import Replica, batches, pretrain
 from abft.eval.sync import LocalLink, Sync
 
 

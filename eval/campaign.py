@@ -1,6 +1,6 @@
 """Campaigns: many trials over node profiles, seeds and sync modes, from a plain config file.
 
-A config is TOML or JSON (see ``DEFAULT``, the embedded default, for every field). Trials are
+A config is TOML or JSON, read into ``eval/config.py``'s ``Config``. Trials are
 ``profiles x seeds x modes`` (a profile may name its own ``modes``). Each finished trial is
 appended to ``trials.jsonl`` in the run folder at once (``trials-pair{p}.jsonl`` when several
 distributed pairs write), so an interrupted campaign loses nothing and ``resume`` skips the trials
@@ -22,188 +22,14 @@ import json
 import os
 import sys
 import time
-import tomllib
-from dataclasses import asdict
 
-import torch
-
-from abft.eval.faults import Profile, whole
-from abft.eval.replicas import TrainConfig, pretrain, run_trial
-from abft.eval.sync import MODES
-from abft.kernels import backends
-
-DEFAULT = """
-# abft eval default campaign: a healthy node (the null campaign), three unhealthy node profiles
-# and a stuck unit run free (no sync) to show what a permanent fault does to the fine-tune.
-seed = 0
-seeds = 1                 # trials per profile and mode
-threads = 1               # torch threads per trial (results depend on it)
-modes = ["computation"]   # computation | parameter | none
-backend = "reference"
-
-[train]
-digits = 4
-dim = 32
-layers = 2
-heads = 4
-batch = 32
-micro_steps = 2
-lr = 0.005
-pretrain_steps = 200
-steps = 30
-rest = true               # the detectors beyond the GEMMs (README, "Coverage"):
-recompute = 1.0           # the state-at-rest check, the recompute of norms, activations and
-comm = true               # softmax, the checksummed all-reduce of the gradients,
-carry = true              # GEMM outputs verified until they die
-tp = 1                    # > 1: each replica a tensor-parallel group of tp ranks (--tp)
-
-[[profiles]]
-name = "healthy"
-rate = 0.0
-
-[[profiles]]
-name = "flaky-alu"        # transient compute faults inside the GEMMs
-rate = 0.5
-sites = { gemm_accumulator = 1.0 }
-modes = ["computation", "parameter"]
-
-[[profiles]]
-name = "bad-hbm"          # bit flips at rest: weights and optimizer state
-rate = 0.5
-sites = { weight_memory = 3.0, optimizer_state = 1.0 }
-kinds = { bitflip = 1.0 }
-
-[[profiles]]
-name = "datapath"         # intermittent bursts outside the accumulator
-rate = 0.8
-timing = "intermittent"
-onset = 2
-burst = 3
-quiet = 4
-sites = { gemm_operand = 1.0, gemm_output = 1.0, nongemm_op = 1.0, gradient_comm = 1.0 }
-
-[[profiles]]
-name = "defective-unit"   # a permanent defect hit by some GEMM calls, any module and phase:
-rate = 1.0                # runs of 4 wrong elements every 32 columns (AEGIS)
-timing = "permanent"
-onset = 5
-per_gemm = 0.02
-sites = { gemm_accumulator = 1.0 }
-patterns = { periodic = 1.0 }
-
-[[profiles]]
-name = "stuck-exponent"   # a permanent fault from step 10: one unit's exponent MSB
-rate = 1.0
-timing = "permanent"
-onset = 10
-sites = { gemm_accumulator = 1.0 }
-kinds = { bitflip = 1.0 }
-bits = { exponent_msb = 1.0 }
-multi_bit = 0.0
-stuck_at = 1
-modes = ["computation", "none"]
-"""
-
-TOP = ("seed", "seeds", "threads", "modes", "backend", "train", "profiles")
-
-
-def parse(text, fmt="toml"):
-    return json.loads(text) if fmt == "json" else tomllib.loads(text)
-
-
-def load(path=None):
-    """The config (a dict) from a TOML or JSON file, or the default; validated."""
-    if path is None:
-        text, fmt = DEFAULT, "toml"
-    else:
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
-        fmt = "json" if str(path).endswith(".json") else "toml"
-    try:
-        cfg = parse(text, fmt)
-    except (ValueError, tomllib.TOMLDecodeError) as e:
-        raise ValueError(f"{path}: not valid {fmt.upper()}: {e}") from e
-    return validate(cfg)
-
-
-def validate(cfg):
-    """Check every field; a bad one raises ValueError naming it."""
-    for k in cfg:
-        if k not in TOP:
-            raise ValueError(f"config: unknown field {k!r}; fields are {TOP}")
-    for k, low in (("seed", 0), ("seeds", 1), ("threads", 1)):
-        v = cfg.setdefault(k, low)
-        if not whole(v) or v < low:
-            raise ValueError(f"config.{k}: a whole number >= {low}, got {v!r}")
-    modes = cfg.setdefault("modes", ["computation"])
-    _modes(modes, "config.modes")
-    if cfg.setdefault("backend", backends.REFERENCE) not in backends.names():
-        raise ValueError(f"config.backend: {' | '.join(backends.names())}, got {cfg['backend']!r}")
-    train = cfg.setdefault("train", {})
-    fields = TrainConfig.__dataclass_fields__
-    for k in train:
-        if k not in fields:
-            raise ValueError(f"config.train: unknown field {k!r}; fields are {tuple(fields)}")
-    tc = TrainConfig(**train).validate("config.train")
-    cfg["train"] = train = asdict(tc)          # resolved: the hash covers every default
-    steps, tg = tc.steps, None
-    profiles = cfg.get("profiles")
-    if not isinstance(profiles, list) or not profiles:
-        raise ValueError("config.profiles: a list of node profiles ([[profiles]] tables)")
-    names = set()
-    pfields = set(Profile.__dataclass_fields__) | {"modes"}
-    for i, p in enumerate(profiles):
-        where = f"config.profiles[{i}]"
-        if not isinstance(p, dict):
-            raise ValueError(f"{where}: a table")
-        for k in p:
-            if k not in pfields:
-                raise ValueError(f"{where}: unknown field {k!r}; fields are {sorted(pfields)}")
-        name = p.get("name")
-        if not isinstance(name, str) or not name or "/" in name or name != name.strip():
-            raise ValueError(f"{where}.name: a non-empty string without '/', got {name!r}")
-        if "modes" in p:
-            _modes(p["modes"], f"{where}.modes")
-        if p.get("reseed") and p.get("modes", cfg["modes"]) != ["none"]:
-            raise ValueError(f"{where} ({name}).reseed: runs free only (modes = [\"none\"]): "
-                             f"its replicas see different data")
-        for k in ("scale", "noise"):
-            if k in p and not isinstance(p[k], list):
-                raise ValueError(f"{where} ({name}).{k}: [low, high], got {p[k]!r}")
-        prof = profile(p).validate(f"{where} ({name})")
-        for k, v in asdict(prof).items():      # resolved: the hash covers every default
-            p.setdefault(k, list(v) if isinstance(v, tuple) else v)
-        prof.check_backend(backends.resolve(cfg["backend"], torch.cuda.is_available()),
-                           f"{where} ({name})")
-        if prof.pin:
-            from abft.eval.faults import targets
-            tg = tg or targets(tc.model())
-            prof.check_targets(tg, tc.micro_steps, f"{where} ({name})")
-        if prof.rate > 0 and prof.onset >= steps:
-            raise ValueError(f"{where} ({name}).onset: {prof.onset} is not before train.steps "
-                             f"({steps}): the profile would never fire")
-        if p["name"] in names:
-            raise ValueError(f"{where}.name: {p['name']!r} appears twice")
-        names.add(p["name"])
-    return cfg
-
-
-def _modes(modes, where):
-    if not isinstance(modes, list) or not modes or any(m not in MODES for m in modes):
-        raise ValueError(f"{where}: a list from {MODES}, got {modes!r}")
-
-
-def profile(p):
-    kw = {k: v for k, v in p.items() if k != "modes"}
-    for k in ("scale", "noise"):
-        if k in kw:
-            kw[k] = tuple(kw[k])
-    return Profile(**kw)
+from abft.eval.faults import whole
+from abft.eval.replicas import pretrain, run_trial
 
 
 def config_hash(cfg):
     """The resolved config's identity: 12 hex digits of its canonical JSON."""
-    return hashlib.sha256(json.dumps(cfg, sort_keys=True).encode()).hexdigest()[:12]
+    return hashlib.sha256(json.dumps(cfg.to_dict(), sort_keys=True).encode()).hexdigest()[:12]
 
 
 def fault_seed(seed, profile_name, k):
@@ -217,13 +43,14 @@ def trials(cfg):
     (the same batches for every profile's trial k), ``fault_seed`` the profile's fault stream
     (the same faults in every sync mode of one profile's trial k)."""
     out, h = [], config_hash(cfg)
-    for p in cfg["profiles"]:
-        for mode in p.get("modes", cfg["modes"]):
-            for k in range(cfg["seeds"]):
-                seed = cfg["seed"] * 1000 + k
-                out.append({"id": f"{p['name']}/{mode}/{seed}", "profile": profile(p), "mode": mode,
-                            "seed": seed, "fault_seed": fault_seed(cfg["seed"], p["name"], k),
-                            "backend": cfg["backend"], "threads": cfg["threads"], "campaign": h})
+    for node in cfg.profiles:
+        name = node.profile.name
+        for mode in cfg.modes if node.modes is None else node.modes:
+            for k in range(cfg.seeds):
+                seed = cfg.seed * 1000 + k
+                out.append({"id": f"{name}/{mode}/{seed}", "profile": node.profile, "mode": mode,
+                            "seed": seed, "fault_seed": fault_seed(cfg.seed, name, k),
+                            "backend": cfg.backend, "threads": cfg.threads, "campaign": h})
     return out
 
 
@@ -353,7 +180,7 @@ def write_config(cfg, out):
     """The campaign's config and its hash, as JSON, in the run folder."""
     path = os.path.join(out, "config.json")
     with open(path + ".tmp", "w", encoding="utf-8") as f:
-        json.dump({"hash": config_hash(cfg), "config": cfg}, f, indent=1, sort_keys=True)
+        json.dump({"hash": config_hash(cfg), "config": cfg.to_dict()}, f, indent=1, sort_keys=True)
     os.replace(path + ".tmp", path)
 
 
@@ -389,13 +216,13 @@ def prepare(cfg, out, resume=False):
     if has_trials and old is None:
         raise ValueError(f"{out}: trials without config.json; not a folder abft eval can resume")
     if has_trials and old_hash != config_hash(cfg):
-        diff = differences(old, cfg)
+        diff = differences(old, cfg.to_dict())
         raise ValueError(f"{out}: --resume with another config (differs in: "
                          f"{', '.join(diff) or 'its hash'}); use another --out")
 
 
 def run(cfg, out, resume=False, pairs=0, progress=True):
-    """Run the campaign into the run folder ``out``; returns the trial records.
+    """Run the campaign (a ``Config``) into the run folder ``out``; returns the trial records.
 
     ``pairs=0``: replica pairs in this process; ``pairs=N``: N distributed pairs (2N gloo ranks
     spawned on this machine, trials dealt round robin); under torchrun, the launched ranks.
@@ -404,7 +231,7 @@ def run(cfg, out, resume=False, pairs=0, progress=True):
     """
     if not whole(pairs) or pairs < 0:
         raise ValueError(f"--pairs: a whole number >= 0, got {pairs!r}")
-    tp = cfg["train"].get("tp", 1)
+    tp = cfg.train.tp
     if tp > 1:
         pairs = max(pairs, 1)
     if os.environ.get("WORLD_SIZE") and int(os.environ["WORLD_SIZE"]) > 1:
@@ -421,17 +248,16 @@ def run(cfg, out, resume=False, pairs=0, progress=True):
         write_config(cfg, out)
         done = done_ids(out)
         todo = [t for t in trials(cfg) if t["id"] not in done]
-        train = TrainConfig(**cfg["train"])
-        base = pretrained(train, out, cfg["threads"]) if todo else None
+        base = pretrained(cfg.train, out, cfg.threads) if todo else None
         if todo and pairs:
             from abft.eval import replicas
-            replicas.spawn_pairs(pairs, _DistRun(train, todo, out, cfg["threads"]),
-                                 threads=cfg["threads"], tp=tp)
+            replicas.spawn_pairs(pairs, _DistRun(cfg.train, todo, out, cfg.threads),
+                                 threads=cfg.threads, tp=tp)
         elif todo:
-            with threads(cfg["threads"]):
+            with threads(cfg.threads):
                 bar = Progress(len(todo)) if progress else None
                 for t in todo:
-                    append(os.path.join(out, "trials.jsonl"), run_trial(t, train, base))
+                    append(os.path.join(out, "trials.jsonl"), run_trial(t, cfg.train, base))
                     if bar:
                         bar.tick(t["id"])
         return read_trials(out)
@@ -535,7 +361,7 @@ def _torchrun(cfg, out, resume):
     import torch.distributed as dist
 
     from abft.eval.replicas import make_link
-    torch.set_num_threads(cfg["threads"])
+    torch.set_num_threads(cfg.threads)
     dist.init_process_group("gloo")
     try:
         rank, world = dist.get_rank(), dist.get_world_size()
@@ -558,7 +384,7 @@ def _torchrun(cfg, out, resume):
             done = done_ids(out, warn=rank == 0)
             todo = [t for t in trials(cfg) if t["id"] not in done]
             if todo:
-                _DistRun(TrainConfig(**cfg["train"]), todo, out, cfg["threads"])(
-                    rank, make_link(rank, world, cfg["train"].get("tp", 1)))
+                _DistRun(cfg.train, todo, out, cfg.threads)(
+                    rank, make_link(rank, world, cfg.train.tp))
     finally:
         dist.destroy_process_group()

@@ -22,71 +22,13 @@ import functools
 import math
 import os
 import time
-from dataclasses import asdict, dataclass
 
 import torch
 
 import abft
 from abft.alarms import AlarmLog
 from abft.eval import faults as fm
-from abft.eval.models import GPT, GPTConfig, Task
 from abft.eval.sync import LocalLink, Sync
-
-
-@dataclass
-class TrainConfig:
-    """The training job: model size, pretraining (fault-free, shared by every trial) and the
-    fine-tune each trial runs."""
-    digits: int = 4
-    dim: int = 32
-    layers: int = 2
-    heads: int = 4
-    batch: int = 32
-    micro_steps: int = 2
-    lr: float = 5e-3
-    pretrain_steps: int = 200
-    steps: int = 30
-    seed: int = 0
-    eval_every: int = 0      # > 0: both replicas' accuracy every so many steps (0: at the end)
-    rest: bool = False       # abft.RestCheck on both replicas: the state-at-rest detector
-    recompute: float = 0.0   # > 0: abft.RecomputeCheck at this rate (non-GEMM modules)
-    comm: bool = False       # gradients through a checksummed all-reduce (abft.CommCheck)
-    carry: bool = False      # GEMM outputs verified until they die (abft.OutputCheck)
-    tp: int = 1              # > 1: each replica a tensor-parallel group of this many ranks
-
-    def validate(self, where="train"):
-        for k, v in asdict(self).items():
-            if k in ("rest", "comm", "carry"):
-                if not isinstance(v, bool):
-                    raise ValueError(f"{where}.{k}: true or false, got {v!r}")
-                continue
-            if k == "recompute":
-                if not fm.is_number(v) or not 0 <= v <= 1:
-                    raise ValueError(f"{where}.recompute: a rate in [0, 1] (0: off), got {v!r}")
-                continue
-            if k == "lr":
-                if not fm.is_number(v) or not v > 0:
-                    raise ValueError(f"{where}.lr: a finite number > 0, got {v!r}")
-                continue
-            low = 0 if k in ("seed", "pretrain_steps", "eval_every") else 1
-            if not fm.whole(v) or v < low:
-                raise ValueError(f"{where}.{k}: a whole number >= {low}, got {v!r}")
-        if self.dim % self.heads:
-            raise ValueError(f"{where}.dim: a multiple of heads ({self.heads}), got {self.dim}")
-        from abft.eval.tp import check
-        check(self.heads, self.dim, self.tp, f"{where}.tp")
-        if self.batch % self.micro_steps:
-            raise ValueError(f"{where}.batch: a multiple of micro_steps ({self.micro_steps})")
-        return self
-
-    @property
-    def task(self):
-        return Task(self.digits)
-
-    def model(self):
-        t = self.task
-        return GPT(GPTConfig(vocab=t.vocab, block=t.block, layers=self.layers, heads=self.heads,
-                             dim=self.dim))
 
 
 def pretrain(cfg):

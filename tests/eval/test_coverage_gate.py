@@ -4,7 +4,7 @@ corruption mix at each of the seven sites must detect at least 90% of the faults
 run, and never alarm without a fault."""
 import pytest
 
-from abft.eval import campaign, report
+from abft.eval import campaign, config, report
 
 GATED = ("gemm_accumulator", "gemm_operand", "gemm_output", "weight_memory", "optimizer_state",
          "nongemm_op", "gradient_comm")
@@ -51,7 +51,7 @@ sites = { gemm_output = 1.0 }
 @pytest.fixture(scope="module")
 def summary(tmp_path_factory):
     out = tmp_path_factory.mktemp("gate") / "run"
-    campaign.run(campaign.validate(campaign.parse(CONFIG)), str(out), progress=False)
+    campaign.run(config.loads(CONFIG), str(out), progress=False)
     return report.build(str(out))
 
 

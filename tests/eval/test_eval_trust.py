@@ -13,9 +13,10 @@ import torch
 
 import abft
 from abft.cli import main
-from abft.eval import campaign, crosscheck, report
+from abft.eval import campaign, config, crosscheck, report
 from abft.eval import faults as fm
-from abft.eval.replicas import TrainConfig, pretrain, run_trial
+from abft.eval.config import TrainConfig
+from abft.eval.replicas import pretrain, run_trial
 
 TINY = TrainConfig(dim=16, batch=8, micro_steps=2, pretrain_steps=10, steps=4)
 
@@ -47,7 +48,7 @@ def base():
 @pytest.fixture(scope="module")
 def run_dir(tmp_path_factory):
     out = tmp_path_factory.mktemp("trust") / "run"
-    cfg = campaign.validate(campaign.parse(TOML))
+    cfg = config.loads(TOML)
     recs = campaign.run(cfg, str(out), progress=False)
     return out, cfg, {r["id"]: r for r in recs}
 
@@ -73,7 +74,7 @@ def test_every_record_names_its_campaign_and_environment(run_dir):
     _, cfg, recs = run_dir
     for r in recs.values():
         assert r["campaign"] == campaign.config_hash(cfg)
-        assert r["env"]["threads"] == cfg["threads"] == 1
+        assert r["env"]["threads"] == cfg.threads == 1
         assert r["env"]["torch"] == torch.__version__ and r["env"]["backend"] == "reference"
         assert r["env"]["host"]
 
@@ -87,9 +88,9 @@ def test_each_profile_draws_its_own_faults(run_dir):
 
 
 def test_the_same_trial_draws_the_same_faults_in_every_mode():
-    cfg = campaign.validate(campaign.parse(TOML.replace(
+    cfg = config.loads(TOML.replace(
         'kinds = { bitflip = 1.0, scale = 1.0 }\n[[', 'kinds = { bitflip = 1.0, scale = 1.0 }\n'
-        'modes = ["computation", "parameter"]\n[[', 1)))
+        'modes = ["computation", "parameter"]\n[[', 1))
     ts = {t["id"]: t for t in campaign.trials(cfg)}
     assert ts["alu/computation/0"]["fault_seed"] == ts["alu/parameter/0"]["fault_seed"]
     assert ts["alu/computation/0"]["seed"] == ts["alu-twin/computation/0"]["seed"]   # same data
@@ -407,12 +408,11 @@ def test_bad_config_is_one_line_naming_the_field(tmp_path, capsys, text, field):
 
 
 def test_the_triton_backend_takes_what_its_kernel_injects():
-    from abft.eval.campaign import parse, validate
     ok = ('backend = "triton"\n[[profiles]]\nname = "a"\nkinds = { bitflip = 1, zero = 1 }\n'
           'multi_bit = 0.0\ntiming = "intermittent"\n'
           '[[profiles]]\nname = "b"\nsites = { weight_memory = 1 }\ntiming = "permanent"')
-    cfg = validate(parse(ok, "toml"))
-    assert [p["name"] for p in cfg["profiles"]] == ["a", "b"]
+    cfg = config.loads(ok)
+    assert [n.profile.name for n in cfg.profiles] == ["a", "b"]
 
 
 @pytest.mark.parametrize("args,field", [
@@ -607,10 +607,10 @@ def test_pretraining_runs_once_per_campaign(run_dir, tmp_path, monkeypatch, caps
     data = bytearray((copy / "pretrain.bin").read_bytes())
     data[0] ^= 1                                     # a changed checkpoint is not trusted
     (copy / "pretrain.bin").write_bytes(bytes(data))
-    base = campaign.pretrained(TrainConfig(**cfg["train"]), str(copy), 1)
+    base = campaign.pretrained(cfg.train, str(copy), 1)
     assert "pretraining again" in capsys.readouterr().err
     with campaign.threads(1):
-        fresh = pretrain(TrainConfig(**cfg["train"]))
+        fresh = pretrain(cfg.train)
     assert torch.equal(base["head.weight"], fresh["head.weight"])
 
 
@@ -687,11 +687,11 @@ def test_a_bit_stuck_at_a_chosen_value(stuck_at, value, changes):
 
 
 def test_the_hash_is_of_the_resolved_config():
-    bare = campaign.validate(campaign.parse('[[profiles]]\nname = "a"'))
-    spelled = campaign.validate(campaign.parse('[train]\nsteps = 30\n[[profiles]]\nname = "a"\n'
-                                               'rate = 0.2\ntiming = "transient"'))
+    bare = config.loads('[[profiles]]\nname = "a"')
+    spelled = config.loads('[train]\nsteps = 30\n[[profiles]]\nname = "a"\n'
+                           'rate = 0.2\ntiming = "transient"')
     assert campaign.config_hash(bare) == campaign.config_hash(spelled)
-    assert campaign.validate(json.loads(json.dumps(bare))) == bare          # idempotent
+    assert config.Config.from_dict(json.loads(json.dumps(bare.to_dict()))) == bare  # idempotent
 
 
 @pytest.mark.parametrize("kind", fm.KINDS)

@@ -8,7 +8,7 @@ import torch.multiprocessing as mp
 
 import abft
 from abft.cli import main
-from abft.eval import campaign, crosscheck, report
+from abft.eval import campaign, config, crosscheck, report
 from abft.eval.models import GPT, GPTConfig
 from abft.eval.replicas import free_port
 
@@ -78,7 +78,7 @@ def test_a_sharded_gpt_computes_the_full_models_loss_and_gradients(tmp_path):
 
 
 def test_eval_pairs_of_tensor_parallel_groups_detect_and_place_the_fault(tmp_path):
-    cfg = campaign.validate(campaign.parse(TP_TOML))
+    cfg = config.loads(TP_TOML)
     recs = {r["id"]: r for r in campaign.run(cfg, str(tmp_path / "tp"), progress=False)}
     assert {(r["pairing"], r["tp"]) for r in recs.values()} == {("dist", 2)}
     null, alu = recs["healthy/computation/0"], recs["alu/computation/0"]
@@ -93,7 +93,7 @@ def test_eval_pairs_of_tensor_parallel_groups_detect_and_place_the_fault(tmp_pat
     text = report.markdown(report.summarize(list(recs.values())))
     assert "each replica a group of 2 ranks" in text and f"(TP rank {fr})" in text
     # the same job as without tensor parallelism, to round-off
-    cfg1 = campaign.validate(campaign.parse(TP_TOML.replace("tp = 2", "tp = 1")))
+    cfg1 = config.loads(TP_TOML.replace("tp = 2", "tp = 1"))
     one = {r["id"]: r for r in campaign.run(cfg1, str(tmp_path / "one"), progress=False)}
     assert null["loss_healthy"] == pytest.approx(one["healthy/computation/0"]["loss_healthy"],
                                                  rel=1e-5)
@@ -109,7 +109,7 @@ def test_tp_that_does_not_divide_the_heads_or_the_width_is_refused(tmp_path, cap
         assert len(err) == 1 and err[0].startswith("abft eval: --tp:") and field in err[0], err
         assert not out.exists()
     with pytest.raises(ValueError, match=r"config.train.tp: 4 does not divide the attention heads"):
-        campaign.validate(campaign.parse(TP_TOML.replace("tp = 2", "heads = 2\ntp = 4")))
+        config.loads(TP_TOML.replace("tp = 2", "heads = 2\ntp = 4"))
     from abft.eval.tp import check         # the width follows from the heads in a config
     with pytest.raises(ValueError, match=r"--tp: 4 does not divide the model width"):
         check(4, 18, 4, "--tp")
@@ -117,7 +117,7 @@ def test_tp_that_does_not_divide_the_heads_or_the_width_is_refused(tmp_path, cap
 
 def test_torchrun_with_a_world_that_does_not_hold_whole_tp_pairs_is_refused(tmp_path, monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
-    cfg = campaign.validate(campaign.parse(TP_TOML))
+    cfg = config.loads(TP_TOML)
     with pytest.raises(ValueError, match=r"torchrun: 2 ranks; .* train.tp = 2 need a multiple of 4"):
         campaign.run(cfg, str(tmp_path / "x"), progress=False)
     assert not (tmp_path / "x").exists()
@@ -134,7 +134,7 @@ def test_an_operand_changed_on_one_tensor_parallel_rank_is_caught_there(tmp_path
     """A sharded activation or incoming gradient changed in memory before its GEMM read it, on
     the faulty rank of the group: ``OutputCheck`` (``train.carry``) alarms there, in its step."""
     assert "gemm_operand" in OPERAND_TOML and "carry = true" in OPERAND_TOML
-    cfg = campaign.validate(campaign.parse(OPERAND_TOML))
+    cfg = config.loads(OPERAND_TOML)
     recs = {r["id"]: r for r in campaign.run(cfg, str(tmp_path / "tp"), progress=False)}
     null, op = recs["healthy/computation/0"], recs["alu/computation/0"]
     assert null["alarms"] == [] and null["alarms_healthy"] == [] and null["mismatches"] == []

@@ -43,9 +43,9 @@ def test_the_settings_and_the_campaign_take_the_same_backends():
             pass
     with pytest.raises(ValueError, match="backend"):
         abft.config(backend="cuda")
-    from abft.eval import campaign
+    from abft.eval.config import Config
     with pytest.raises(ValueError, match="config.backend"):
-        campaign.validate({"backend": "cuda"})
+        Config.from_dict({"backend": "cuda"})
 
 
 def test_a_third_backend_is_one_module_and_one_registration(tmp_path):
