@@ -56,6 +56,7 @@ do not, so warm up before capturing a CUDA graph. The launches are registered wi
 and ``wrap_triton``: torch.compile traces the kernels themselves. Under the interpreter they are
 opaque custom ops (wrap_triton cannot trace an interpreted kernel).
 """
+from dataclasses import dataclass, fields
 from typing import List, Optional, Tuple
 
 import torch
@@ -580,26 +581,76 @@ def _tf32(a, tf32):
             and (_backends.tf32_allowed(a.device) if tf32 is None else bool(tf32))), 0
 
 
-def launch(a3, b3, addend, pa, pb, ar, ab, br, bb, coef, alpha, beta, bm, bn, ra, rb, a_k_major,
-           b_k_major, check, tf32, tf32_emulation, inject_kind, inject_at, inject_value, sums):
+@dataclass(frozen=True)
+class LaunchPlan:
+    """One launch of ``checked_gemm_kernel``, beyond its tensors: ``launch`` makes the kernel's
+    arguments from it. It crosses the custom op (whose schema takes tensors and scalars) as two
+    lists, ``pack`` and ``unpack``."""
+    bm: int                     # the kernel's tile, BM x BN
+    bn: int
+    ra: int                     # checksum rows of the A tile, columns of the B tile (``Layout``)
+    rb: int
+    a_k_major: bool             # the parts are stored contiguous along K (``Layout``)
+    b_k_major: bool
+    check: bool                 # False: the checks compiled out (ra = rb = 0)
+    tf32: bool                  # fp32 operands on tf32 tensor cores
+    tf32_emulation: int = 0     # tf32 inputs emulated in the kernel (``_TF32_EMU``), 0: not
+    sums: bool = False          # also write every sum's residual and threshold
+    alpha: float = 1.0          # C = alpha * A.B + beta * addend
+    beta: float = 1.0
+    inject_kind: int = 0        # ``INJECT_KINDS``' code, 0: no fault
+    inject_batch: int = 0       # the fault's element and K step, the bit flipped, the value added
+    inject_row: int = -1
+    inject_col: int = -1
+    inject_step: int = 0
+    inject_bit: int = 0
+    inject_value: float = 0.0
+    block_k: int = 0            # with warps and stages, a config; 0: the autotuner's (on a GPU)
+    num_warps: int = 0          # or the factory's one config (under the interpreter)
+    num_stages: int = 0
+
+    def pack(self) -> Tuple[List[int], List[float]]:
+        """The fields in order: (the int and bool ones as ints, the float ones)."""
+        ints = [int(getattr(self, f.name)) for f in fields(self) if f.type is not float]
+        return ints, [float(getattr(self, f.name)) for f in fields(self) if f.type is float]
+
+    @classmethod
+    def unpack(cls, ints, floats):
+        ints, floats = iter(ints), iter(floats)
+        return cls(**{f.name: f.type(next(floats if f.type is float else ints))
+                      for f in fields(cls)})
+
+    def tile_grid(self, m, n):
+        """(TM, TN): the data tiles over an M x N product."""
+        return -(-m // (self.bm - self.ra)), -(-n // (self.bn - self.rb))
+
+
+def _outputs(a3, b3, plan):
+    """The launch's outputs, empty: C, the verdict, the row and column ratios, and the residuals
+    and thresholds of every row and column sum (empty without ``plan.sums``)."""
+    bt, m, _ = a3.shape
+    n = b3.shape[2]
+    tm, tn = plan.tile_grid(m, n)
+    f32 = dict(dtype=torch.float32, device=a3.device)
+    return (torch.empty(bt, m, n, dtype=a3.dtype, device=a3.device),
+            torch.empty(bt, tm, tn, L.NFIELDS, **f32),
+            torch.empty(bt, m, tn, **f32), torch.empty(bt, tm, n, **f32),
+            torch.empty(bt, m, tn, 2, **f32) if plan.sums else torch.empty(0, **f32),
+            torch.empty(bt, tm, n, 2, **f32) if plan.sums else torch.empty(0, **f32))
+
+
+def launch(a3, b3, addend, pa, pb, ar, ab, br, bb, coef, plan):
     """The launch's outputs, grid, positional arguments and meta-parameters (without BLOCK_K,
-    warps and stages): what ``_launch_impl`` passes to the kernel and ``abft bench --static``
-    compiles (on "meta" tensors, which allocate nothing)."""
+    warps and stages) for ``plan``: what ``_launch_impl`` passes to the kernel and ``abft bench
+    --static`` compiles (on "meta" tensors, which allocate nothing)."""
     bt, m, k = a3.shape
     n = b3.shape[2]
-    tm, tn = triton.cdiv(m, bm - ra), triton.cdiv(n, bn - rb)
-    dev = a3.device
-    f32 = dict(dtype=torch.float32, device=dev)
-    c = torch.empty(bt, m, n, dtype=a3.dtype, device=dev)
-    verdict = torch.empty(bt, tm, tn, L.NFIELDS, **f32)
-    rr = torch.empty(bt, m, tn, **f32)
-    rc = torch.empty(bt, tm, n, **f32)
-    sr = torch.empty(bt, m, tn, 2, **f32) if sums else torch.empty(0, **f32)
-    sc = torch.empty(bt, tm, n, 2, **f32) if sums else torch.empty(0, **f32)
-    ws = torch.empty(bt * tm * tn * 4 * bn if check else 1, **f32)
+    tm, tn = plan.tile_grid(m, n)
+    outs = c, verdict, rr, rc, sr, sc = _outputs(a3, b3, plan)
+    ws = torch.empty(bt * tm * tn * 4 * plan.bn if plan.check else 1, dtype=torch.float32,
+                     device=a3.device)
     # without an addend, a3 stands in for it (never read): no output may alias another argument
     d = addend if addend is not None else a3
-    ib, im, jn, ik, ibit = inject_at
     bstride = lambda t: t.stride(0) if t.shape[0] > 1 else 0
     args = (a3, b3, c, d, pa, pb, ws,
             verdict, rr, rc, sr, sc,
@@ -612,62 +663,48 @@ def launch(a3, b3, addend, pa, pb, ar, ab, br, bb, coef, alpha, beta, bm, bn, ra
             bstride(pa), pa.stride(1), pa.stride(2),
             bstride(pb), pb.stride(1), pb.stride(2),
             bstride(ar), bstride(ab), bstride(br), bstride(bb),
-            alpha, beta,
-            ib, im, jn, ik, ibit, inject_value)
-    meta = dict(BLOCK_M=bm, BLOCK_N=bn, RA=ra, RB=rb, GROUP_M=GROUP_M,
-                A_VEC=1 if a_k_major else _vector(a3, 1, 2, check),
-                B_VEC=1 if b_k_major else _vector(b3, 2, 1, check),
-                HAS_ADD=addend is not None, SCALED=alpha != 1.0, CHECK=check, INJECT=inject_kind,
-                DOT_FP32=_configs.interpreting() and a3.dtype == torch.bfloat16,
-                ALLOW_TF32=tf32, TF32_EMU=tf32_emulation, CAP=check and k <= T.SMALL_K,
-                SUMS=sums, ROUND_OUT=_configs.interpreting() and a3.dtype == torch.bfloat16,
-                SHIFT_A=_prepass.chk_shift(a3.dtype, bm - ra) if check else 0,
-                SHIFT_B=_prepass.chk_shift(a3.dtype, bn - rb) if check else 0)
-    return (c, verdict, rr, rc, sr, sc), (tm * tn, bt), args, meta
+            plan.alpha, plan.beta,
+            plan.inject_batch, plan.inject_row, plan.inject_col, plan.inject_step, plan.inject_bit,
+            plan.inject_value)
+    check, bf16_interpreted = plan.check, _configs.interpreting() and a3.dtype == torch.bfloat16
+    meta = dict(BLOCK_M=plan.bm, BLOCK_N=plan.bn, RA=plan.ra, RB=plan.rb, GROUP_M=GROUP_M,
+                A_VEC=1 if plan.a_k_major else _vector(a3, 1, 2, check),
+                B_VEC=1 if plan.b_k_major else _vector(b3, 2, 1, check),
+                HAS_ADD=addend is not None, SCALED=plan.alpha != 1.0, CHECK=check,
+                INJECT=plan.inject_kind, DOT_FP32=bf16_interpreted, ALLOW_TF32=plan.tf32,
+                TF32_EMU=plan.tf32_emulation, CAP=check and k <= T.SMALL_K, SUMS=plan.sums,
+                ROUND_OUT=bf16_interpreted,
+                SHIFT_A=_prepass.chk_shift(a3.dtype, plan.bm - plan.ra) if check else 0,
+                SHIFT_B=_prepass.chk_shift(a3.dtype, plan.bn - plan.rb) if check else 0)
+    return outs, (tm * tn, bt), args, meta
 
 
 def _launch_impl(a3: torch.Tensor, b3: torch.Tensor, addend: Optional[torch.Tensor],
                  pa: torch.Tensor, pb: torch.Tensor,
                  ar: torch.Tensor, ab: torch.Tensor, br: torch.Tensor, bb: torch.Tensor,
-                 coef: torch.Tensor,
-                 alpha: float, beta: float, bm: int, bn: int, ra: int, rb: int, a_k_major: bool,
-                 b_k_major: bool, check: bool, tf32: bool,
-                 tf32_emulation: int, inject_kind: int, inject_at: List[int], inject_value: float,
-                 block_k: int, num_warps: int, num_stages: int, sums: bool,
+                 coef: torch.Tensor, ints: List[int], floats: List[float],
                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                             torch.Tensor]:
-    """One launch over a (B, M, K) x (B, K, N) batch; block_k = 0 lets the autotuner choose (on a
-    GPU) or takes the factory's one config (under the interpreter)."""
-    outs, grid, args, meta = launch(a3, b3, addend, pa, pb, ar, ab, br, bb, coef, alpha, beta, bm,
-                                    bn, ra, rb, a_k_major, b_k_major, check, tf32, tf32_emulation,
-                                    inject_kind, inject_at, inject_value, sums)
+    """One launch over a (B, M, K) x (B, K, N) batch of the plan ``LaunchPlan.pack`` made."""
+    plan = LaunchPlan.unpack(ints, floats)
+    outs, grid, args, meta = launch(a3, b3, addend, pa, pb, ar, ab, br, bb, coef, plan)
     if grid[0] * grid[1] == 0:
         return outs
-    if block_k:
+    if plan.block_k:
         kernel = checked_gemm_kernel
-        meta.update(BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
+        meta.update(BLOCK_K=plan.block_k, num_warps=plan.num_warps, num_stages=plan.num_stages)
     elif _configs.interpreting():
         kernel = checked_gemm_kernel
-        cfg = _configs.configs(bm, bn, a3.dtype)[0]
+        cfg = _configs.configs(plan.bm, plan.bn, a3.dtype)[0]
         meta.update(cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     else:
-        kernel = _autotuned(bm, bn, a3.dtype)
+        kernel = _autotuned(plan.bm, plan.bn, a3.dtype)
     wrap_triton(kernel)[grid](*args, **meta)
     return outs
 
 
-def _launch_fake(a3, b3, addend, pa, pb, ar, ab, br, bb, coef, alpha, beta, bm, bn, ra, rb,
-                 a_k_major, b_k_major, check,
-                 tf32, tf32_emulation, inject_kind, inject_at, inject_value, block_k, num_warps,
-                 num_stages, sums):
-    bt, m, _ = a3.shape
-    n = b3.shape[2]
-    tm, tn = -(-m // (bm - ra)), -(-n // (bn - rb))
-    f32 = dict(dtype=torch.float32, device=a3.device)
-    return (a3.new_empty(bt, m, n), a3.new_empty(bt, tm, tn, L.NFIELDS, **f32),
-            a3.new_empty(bt, m, tn, **f32), a3.new_empty(bt, tm, n, **f32),
-            a3.new_empty(bt, m, tn, 2, **f32) if sums else a3.new_empty(0, **f32),
-            a3.new_empty(bt, tm, n, 2, **f32) if sums else a3.new_empty(0, **f32))
+def _launch_fake(a3, b3, addend, pa, pb, ar, ab, br, bb, coef, ints, floats):
+    return _outputs(a3, b3, LaunchPlan.unpack(ints, floats))
 
 
 if _configs.interpreting():
@@ -769,13 +806,16 @@ def checked_gemm(a, b, bias=None, *, addend=None, alpha=1.0, beta=1.0, tiles=Non
     a3 = a3.expand(bt, m, k)
     b3 = b3.expand(bt, k, n)
     inj = inject or {}
-    where = [int(inj.get("batch", 0)), int(inj.get("row", -1)), int(inj.get("col", -1)),
-             int(inj.get("k_step", 0)), int(inj.get("bit", 0))]
-    cfg = (config.kwargs["BLOCK_K"], config.num_warps, config.num_stages) if config else (0, 0, 0)
-    c, verdict, rr, rc, sr, sc = _launch(
-        a3, b3, add, pa, pb, ar, ab, br, bb, coef, float(alpha), float(beta), bm, bn, lay.ra,
-        lay.rb, lay.a_k_major, lay.b_k_major, bool(check), tf, emu, INJECT_KINDS[inj["kind"]] if inject else 0, where,
-        float(inj.get("value", 0.0)), *cfg, bool(return_sums and check))
+    cfg = (dict(block_k=config.kwargs["BLOCK_K"], num_warps=config.num_warps,
+                num_stages=config.num_stages) if config else {})
+    plan = LaunchPlan(
+        bm, bn, lay.ra, lay.rb, lay.a_k_major, lay.b_k_major, bool(check), tf, emu,
+        sums=bool(return_sums and check), alpha=float(alpha), beta=float(beta),
+        inject_kind=INJECT_KINDS[inj["kind"]] if inject else 0,
+        inject_batch=int(inj.get("batch", 0)), inject_row=int(inj.get("row", -1)),
+        inject_col=int(inj.get("col", -1)), inject_step=int(inj.get("k_step", 0)),
+        inject_bit=int(inj.get("bit", 0)), inject_value=float(inj.get("value", 0.0)), **cfg)
+    c, verdict, rr, rc, sr, sc = _launch(a3, b3, add, pa, pb, ar, ab, br, bb, coef, *plan.pack())
     if squeeze:                     # 2-D operands: no batch dim, as the reference check returns
         c = c[0]
         if check:
