@@ -116,9 +116,9 @@ def plans(t, i, o):
                 coef = torch.empty(2, len(T.COEF_FIELDS), device="meta")
             else:
                 pa = pb = ar = ab = br = bb = coef = torch.empty(1, 1, 1, device="meta")
-            outs, grid, args, meta = TG.launch(
-                a3, b3, None, pa, pb, ar, ab, br, bb, coef, 1.0, 1.0, bm, bn, lay.ra, lay.rb,
-                lay.a_k_major, lay.b_k_major, check, False, 0, 0, [0, -1, -1, 0, 0], 0.0, False)
+            plan = TG.LaunchPlan(bm, bn, lay.ra, lay.rb, lay.a_k_major, lay.b_k_major, check,
+                                 tf32=False)
+            outs, grid, args, meta = TG.launch(a3, b3, None, pa, pb, ar, ab, br, bb, coef, plan)
             meta = dict(meta, BLOCK_K=CONFIG["BLOCK_K"], DOT_FP32=False, ROUND_OUT=False)
             tiles = grid[0] * grid[1]
             flops = 2.0 * tiles * bm * bn * k

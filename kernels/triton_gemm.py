@@ -56,6 +56,7 @@ do not, so warm up before capturing a CUDA graph. The launches are registered wi
 and ``wrap_triton``: torch.compile traces the kernels themselves. Under the interpreter they are
 opaque custom ops (wrap_triton cannot trace an interpreted kernel).
 """
+from dataclasses import dataclass, fields
 from typing import List, Optional, Tuple
 
 import torch
@@ -87,6 +88,7 @@ _RE, _RR1, _RRINF, _RLOW = (tl.constexpr(getattr(_prepass, f)) for f in (
     "ROW_E", "ROW_R1", "ROW_RINF", "ROW_LOW"))
 _BE, _BX1, _BXINF, _BXS1, _BXSINF, _BNU, _BLOW, _BFIN = (tl.constexpr(getattr(_prepass, f)) for f in (
     "BLK_E", "BLK_X1", "BLK_XINF", "BLK_XS1", "BLK_XSINF", "BLK_NU", "BLK_LOW", "BLK_FINITE"))
+_BIG = tl.constexpr(3.4028234663852886e38)        # float32's largest finite value
 
 
 @triton.jit
@@ -126,6 +128,210 @@ def store_out_tl(acc, c_ptr, d_ptr, pid_b, rm, rn, m_ok, n_ok, alpha, beta,
 
 
 @triton.jit
+def tile_tl(TM, TN, GROUP_M: tl.constexpr):
+    """This program's tile (row, column): tiles in groups of GROUP_M tile rows, so that the A and
+    B tiles in flight stay in L2."""
+    pid = tl.program_id(0)
+    width = GROUP_M * TN
+    first_m = (pid // width) * GROUP_M
+    size_m = tl.minimum(TM - first_m, GROUP_M)
+    pid_m = (first_m + (pid % width) % size_m).to(tl.int64)
+    pid_n = ((pid % width) // size_m).to(tl.int64)
+    return pid_m, pid_n
+
+
+@triton.jit
+def dot_tl(acc, a, b, DOT_FP32: tl.constexpr, ALLOW_TF32: tl.constexpr, TF32_EMU: tl.constexpr):
+    """acc + a.b, as the launch asks."""
+    if DOT_FP32:
+        # the interpreter's bf16 tl.dot is wrong; bf16 products are exact in fp32
+        acc += tl.dot(a.to(tl.float32), b.to(tl.float32), allow_tf32=False)
+    elif TF32_EMU != 0:
+        # tf32 inputs emulated for the tests: 1 chops the 13 low mantissa bits (what a tf32
+        # MMA does with raw fp32 operands), 2 rounds them to nearest (cvt.rna); the checksum
+        # parts are tf32 numbers already, so they pass unchanged, as on the GPU
+        ai = a.to(tl.int32, bitcast=True)
+        bi = b.to(tl.int32, bitcast=True)
+        if TF32_EMU == 2:
+            ai += 4096
+            bi += 4096
+        at = (ai & -8192).to(tl.float32, bitcast=True)
+        bt = (bi & -8192).to(tl.float32, bitcast=True)
+        acc += tl.dot(at, bt, allow_tf32=False)
+    else:
+        acc += tl.dot(a, b, allow_tf32=ALLOW_TF32)
+    return acc
+
+
+@triton.jit
+def line_stats_tl(ptr, ok):
+    """The pre-pass's statistics of rows of A (columns of B) at ``ptr``: exponent, r1, rinf,
+    low-entropy flag (masked: 0, 1, 1, False)."""
+    e = tl.load(ptr + _RE, mask=ok, other=0.0)
+    r1 = tl.load(ptr + _RR1, mask=ok, other=1.0)
+    rinf = tl.load(ptr + _RRINF, mask=ok, other=1.0)
+    low = tl.load(ptr + _RLOW, mask=ok, other=0.0) > 0
+    return e, r1, rinf, low
+
+
+@triton.jit
+def column_sums_tl(acc, ws, d_ok, ck_m, s_t, f_q, SHIFT_A: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Writes the tile's column sums to the scratch ``ws`` (4 x BLOCK_N): sums, of squares
+    (clamped), of magnitudes in units s_t, and the predictions, one at a time (the barriers keep
+    their partial sums from being live together)."""
+    j = tl.arange(0, BLOCK_N)
+    tl.store(ws + 3 * BLOCK_N + j,
+             times_pow2_tl(tl.sum(tl.where(ck_m[:, None], acc, 0.0), 0), -f_q - SHIFT_A))
+    tl.debug_barrier()
+    tl.store(ws + j, tl.sum(tl.where(d_ok, acc * s_t, 0.0), 0))
+    tl.debug_barrier()
+    z1 = tl.where(d_ok, acc * (s_t * 0.5), 0.0)
+    tl.store(ws + BLOCK_N + j, tl.minimum(tl.sum(z1 * z1, 0), _BIG / 4) * 4)
+    tl.debug_barrier()
+    tl.store(ws + 2 * BLOCK_N + j, tl.sum(tl.where(d_ok, tl.abs(acc) * (s_t * 0.25), 0.0), 0) * 4)
+    tl.debug_barrier()
+
+
+@triton.jit
+def row_sums_tl(acc, d_ok, ck_n, s_t, up_r, e_p, SHIFT_B: tl.constexpr):
+    """The tile's row sums in each row's units (s_t up_r): sum, of squares (clamped), of
+    magnitudes, and the prediction."""
+    s1 = tl.sum(tl.where(d_ok, acc * (s_t * 0.125), 0.0), 1) * 8 * up_r
+    z4 = tl.where(d_ok, acc * (s_t * 0.0625), 0.0)
+    s2 = tl.minimum(tl.minimum(tl.sum(z4 * z4, 1), _BIG / 256) * 256 * up_r * up_r, _BIG)
+    sa = tl.sum(tl.where(d_ok, tl.abs(acc) * (s_t * 0.03125), 0.0), 1) * 32 * up_r
+    p = times_pow2_tl(tl.sum(tl.where(ck_n[None, :], acc, 0.0), 1), -e_p - SHIFT_B) * up_r
+    return s1, s2, sa, p
+
+
+@triton.jit
+def column_sums_back_tl(ws, up_c, BLOCK_N: tl.constexpr):
+    """``column_sums_tl``'s sums read back one column per thread, in each column's units
+    (s_t up_c)."""
+    jc = tl.arange(0, BLOCK_N)
+    s1 = tl.load(ws + jc) * up_c
+    s2 = tl.minimum(tl.load(ws + BLOCK_N + jc) * up_c * up_c, _BIG)
+    sa = tl.load(ws + 2 * BLOCK_N + jc) * up_c
+    p = tl.load(ws + 3 * BLOCK_N + jc) * up_c
+    return s1, s2, sa, p
+
+
+@triton.jit
+def cap_sums_tl(a_base, b_base, rm, rc_n, m_ok, nc_ok, stride_am, stride_ak, stride_bk,
+                stride_bn, K, e_p, f_q, up_r, up_c, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                BLOCK_K: tl.constexpr):
+    """For K <= SMALL_K: the exact sums of |a||b| of the worst-case cap, after the K loop, of
+    |a| 2^-E_p and |b| 2^-F_q (in natural units a row of B near 2^124 summed past float32's
+    range: the cap went to inf, and the verdict changed with the scale); per column and per row,
+    in their units."""
+    rk = tl.arange(0, BLOCK_K)
+    tc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    tr = tl.zeros((BLOCK_M,), dtype=tl.float32)
+    for ks in range(0, tl.cdiv(K, BLOCK_K)):
+        kk = ks * BLOCK_K + rk
+        k_ok = kk < K
+        af = tl.abs(tl.load(a_base + rm[:, None] * stride_am + kk[None, :] * stride_ak,
+                            mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32))
+        bf = tl.abs(tl.load(b_base + kk[:, None] * stride_bk + rc_n[None, :] * stride_bn,
+                            mask=k_ok[:, None] & nc_ok[None, :], other=0.0).to(tl.float32))
+        af = times_pow2_tl(af, -e_p)
+        bf = times_pow2_tl(bf, -f_q)
+        tc += tl.sum(tl.sum(af, 0)[:, None] * bf, 0)
+        tr += tl.sum(af * tl.sum(bf, 1)[None, :], 1)
+    return tc * up_c, tr * up_r
+
+
+@triton.jit
+def side_threshold_tl(coef_ptr, s1, s2, sa, p, blk, y1, yinf, low, ex, ey, cap, CAP: tl.constexpr):
+    """``threshold_tl`` of one side's sums: ``blk`` the summed operand's block statistics; y1,
+    yinf, low, ey the other operand's, per sum; ex the block's exponent."""
+    return threshold_tl(coef_ptr, s1, s2, sa, p, tl.load(blk + _BX1), tl.load(blk + _BXINF),
+                        tl.load(blk + _BXS1), tl.load(blk + _BXSINF), y1, yinf,
+                        tl.load(blk + _BNU), tl.where(low, tl.load(blk + _BLOW), 0.0) > 0, ex, ey,
+                        cap, CAP)
+
+
+@triton.jit
+def status_tl(ab, bb, s1_c, p_c, thr_c, nc_ok, r1_j, f_j, p_r, thr_r, m_ok, r1_i, e_i,
+              scales_ok):
+    """The tile's status: inputs finite (statistics), accumulator finite, thresholds finite; a
+    non-finite accumulator from finite inputs is an alarm unless the product may overflow."""
+    inputs_ok = (tl.load(ab + _BFIN) > 0) & (tl.load(bb + _BFIN) > 0)
+    acc_ok = tl.sum(tl.where(nc_ok, tl.abs(s1_c), 0.0), 0) < float("inf")
+    thr_ok = (tl.sum(tl.where(nc_ok, thr_c, 0.0), 0)
+              + tl.sum(tl.where(m_ok, thr_r, 0.0), 0)) < float("inf")
+    norm_a = tl.max(tl.where(m_ok, tl.sqrt(r1_i) * pow2_tl(e_i), 0.0), 0)
+    norm_b = tl.max(tl.where(nc_ok, tl.sqrt(r1_j) * pow2_tl(f_j), 0.0), 0)
+    may_overflow = norm_a * norm_b >= _BIG
+    # the checksum rows (columns) are in their block's units: near float32's largest values
+    # their products with the other operand may overflow where the data's do not
+    pred_ok = (tl.min(tl.where(nc_ok, (tl.abs(p_c) < float("inf")).to(tl.int32), 1), 0)
+               * tl.min(tl.where(m_ok, (tl.abs(p_r) < float("inf")).to(tl.int32), 1), 0)) > 0
+    status = tl.where(inputs_ok & thr_ok & acc_ok & scales_ok & pred_ok, _OK, _UNVERIFIED)
+    return tl.where(inputs_ok & (acc_ok == 0) & (may_overflow == 0), _NONFINITE, status)
+
+
+@triton.jit
+def ratios_tl(res, thr, ok, unverified):
+    """residual / threshold per sum: 0 where masked or the tile is unverified, NaN failing."""
+    rat = tl.where(unverified, 0.0, tl.where(ok, res / thr, 0.0))
+    return tl.where(rat == rat, rat, float("inf"))
+
+
+@triton.jit
+def units_tl(alpha, s_t, up):
+    """The factor that takes a sum's residual and threshold to C's units: undoes the scaling
+    s_t up, applies |alpha|."""
+    return tl.abs(alpha) / s_t / up
+
+
+@triton.jit
+def verdict_tl(v_ptr, tile, status, rat_r, res_r, thr_r, up_r, first_r, rat_c, res_c, thr_c, up_c,
+               first_c, s_t, alpha, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Writes the record of the ``tile``-th tile to the verdict ``v_ptr`` (``kernels/layout.py``):
+    per side the largest |ratio|, how many fail (> 1) and where the largest is (-1: none fails);
+    the residual and threshold, in C's units, of the largest column's where a column fails, else
+    the largest row's."""
+    mag_c = tl.abs(rat_c)
+    mag_r = tl.abs(rat_r)
+    cw = tl.max(mag_c, 0)
+    rw = tl.max(mag_r, 0)
+    ci = tl.argmax(mag_c, 0)
+    ri = tl.argmax(mag_r, 0)
+    cf = tl.sum((mag_c > 1).to(tl.float32), 0)
+    rf = tl.sum((mag_r > 1).to(tl.float32), 0)
+    col_at = tl.where(cf > 0, (first_c + ci).to(tl.float32), -1.0)
+    row_at = tl.where(rf > 0, (first_r + ri).to(tl.float32), -1.0)
+    unit_c = units_tl(alpha, s_t, up_c)
+    unit_r = units_tl(alpha, s_t, up_r)
+    sgn = tl.where(alpha < 0, -1.0, 1.0)
+    sel_c = tl.arange(0, BLOCK_N) == ci
+    sel_r = tl.arange(0, BLOCK_M) == ri
+    res_w = tl.where(cf > 0, tl.sum(tl.where(sel_c, res_c * unit_c, 0.0), 0),
+                     tl.sum(tl.where(sel_r, res_r * unit_r, 0.0), 0)) * sgn
+    thr_w = tl.where(cf > 0, tl.sum(tl.where(sel_c, thr_c * unit_c, 0.0), 0),
+                     tl.sum(tl.where(sel_r, thr_r * unit_r, 0.0), 0))
+    f = tl.arange(0, 16)
+    rec = tl.where(f == _F_ROW_RATIO, rw, tl.where(f == _F_ROW_FAILS, rf, tl.where(
+        f == _F_ROW, row_at, tl.where(f == _F_COL_RATIO, cw, tl.where(
+            f == _F_COL_FAILS, cf, tl.where(f == _F_COL, col_at, tl.where(
+                f == _F_RES, res_w, tl.where(f == _F_THR, thr_w, status))))))))
+    tl.store(v_ptr + tile * _NFIELDS + f, rec, mask=f < _NFIELDS)
+
+
+@triton.jit
+def side_out_tl(r_ptr, s_ptr, base, at, rat, res, thr, ok, up, s_t, alpha, SUMS: tl.constexpr):
+    """One side's ratios at ``r_ptr + base + at``; with SUMS, its residuals and thresholds in C's
+    units, in pairs at ``s_ptr + 2 (base + at)``."""
+    tl.store(r_ptr + base + at, rat, mask=ok)
+    if SUMS:
+        unit = units_tl(alpha, s_t, up)
+        off = (base + at) * 2
+        tl.store(s_ptr + off, res * unit * tl.where(alpha < 0, -1.0, 1.0), mask=ok)
+        tl.store(s_ptr + off + 1, thr * unit, mask=ok)
+
+
+@triton.jit
 def checked_gemm_kernel(
     # operands, output, addend (bias: strides 0, 0, 1)
     a_ptr, b_ptr, c_ptr, d_ptr,
@@ -162,14 +368,8 @@ def checked_gemm_kernel(
 ):
     DM: tl.constexpr = BLOCK_M - RA
     DN: tl.constexpr = BLOCK_N - RB
-    # tiles in groups of GROUP_M tile rows, so that the A and B tiles in flight stay in L2
-    pid = tl.program_id(0)
     pid_b = tl.program_id(1).to(tl.int64)
-    width = GROUP_M * TN
-    first_m = (pid // width) * GROUP_M
-    size_m = tl.minimum(TM - first_m, GROUP_M)
-    pid_m = (first_m + (pid % width) % size_m).to(tl.int64)
-    pid_n = ((pid % width) // size_m).to(tl.int64)
+    pid_m, pid_n = tile_tl(TM, TN, GROUP_M)
     i = tl.arange(0, BLOCK_M)
     j = tl.arange(0, BLOCK_N)
     rk = tl.arange(0, BLOCK_K)
@@ -217,23 +417,7 @@ def checked_gemm_kernel(
             b_at = tl.max_contiguous(tl.multiple_of(b_ptrs, [1, 16]), [1, B_VEC])
         a = tl.load(a_at, mask=a_rows[:, None] & k_ok[None, :], other=0.0)
         b = tl.load(b_at, mask=k_ok[:, None] & b_cols[None, :], other=0.0)
-        if DOT_FP32:
-            # the interpreter's bf16 tl.dot is wrong; bf16 products are exact in fp32
-            acc += tl.dot(a.to(tl.float32), b.to(tl.float32), allow_tf32=False)
-        elif TF32_EMU != 0:
-            # tf32 inputs emulated for the tests: 1 chops the 13 low mantissa bits (what a tf32
-            # MMA does with raw fp32 operands), 2 rounds them to nearest (cvt.rna); the checksum
-            # parts are tf32 numbers already, so they pass unchanged, as on the GPU
-            ai = a.to(tl.int32, bitcast=True)
-            bi = b.to(tl.int32, bitcast=True)
-            if TF32_EMU == 2:
-                ai += 4096
-                bi += 4096
-            at = (ai & -8192).to(tl.float32, bitcast=True)
-            bt = (bi & -8192).to(tl.float32, bitcast=True)
-            acc += tl.dot(at, bt, allow_tf32=False)
-        else:
-            acc += tl.dot(a, b, allow_tf32=ALLOW_TF32)
+        acc = dot_tl(acc, a, b, DOT_FP32, ALLOW_TF32, TF32_EMU)
         if INJECT != 0:
             hit = (rm[:, None] == inj_m) & (rn[None, :] == inj_n) & m_ok[:, None] & n_ok[None, :] \
                 & (pid_b == inj_b) & (ks == inj_k)
@@ -243,16 +427,11 @@ def checked_gemm_kernel(
 
     if CHECK:
         # statistics of this tile's rows of A and columns of B, and of their blocks
-        ar = ar_ptr + pid_b * stride_arb + rm * _RF
-        br = br_ptr + pid_b * stride_brb + rn * _RF
         ck_m = i >= DM
         ck_n = j >= DN
         ab = ab_ptr + pid_b * stride_abb + pid_m * _BF
         bb = bb_ptr + pid_b * stride_bbb + pid_n * _BF
-        e_i = tl.load(ar + _RE, mask=m_ok, other=0.0)
-        r1_i = tl.load(ar + _RR1, mask=m_ok, other=1.0)
-        rinf_i = tl.load(ar + _RRINF, mask=m_ok, other=1.0)
-        low_i = tl.load(ar + _RLOW, mask=m_ok, other=0.0) > 0
+        e_i, r1_i, rinf_i, low_i = line_stats_tl(ar_ptr + pid_b * stride_arb + rm * _RF, m_ok)
         e_p = tl.load(ab + _BE)
         f_q = tl.load(bb + _BE)
         # Every sum in one scale for the tile, s_t = 2^-(E_p + F_q) (a scalar: no per-column vector
@@ -264,7 +443,6 @@ def checked_gemm_kernel(
         # float32's exponents and no row or column is more than 2^60 below its block's largest
         # (else the tile is left unverified, below). The predictions are the tensor cores' products
         # of the checksum parts, in units of 2^(E_p - SHIFT_A) and 2^(F_q - SHIFT_B).
-        big = 3.4028234663852886e38
         # the data elements (the accumulator is 0 in rows past M and columns past N: loads of 0)
         d_ok = (i < DM)[:, None] & (j < DN)[None, :]
         s_t = pow2_tl(-(e_p + f_q))
@@ -272,39 +450,18 @@ def checked_gemm_kernel(
         # shifted, ``prepass.chk_shift``): to the column's (row's) units by 2^-(F_q + SHIFT_A)
         # (2^-(E_p + SHIFT_B)), as two factors that stay in float32's range for any finite
         # operand (times_pow2_tl)
-        # the column sums go through the scratch (L2) and come back one column per thread; one
-        # sum at a time (the barriers keep their partial sums from being live together). Squares
+        # the column sums go through the scratch (L2) and come back one column per thread. Squares
         # of a corrupted accumulator may overflow: clamped, a huge error stays an alarm.
         ws = ws_ptr + ((pid_b * TM + pid_m) * TN + pid_n) * (4 * BLOCK_N)
-        tl.store(ws + 3 * BLOCK_N + j,
-                 times_pow2_tl(tl.sum(tl.where(ck_m[:, None], acc, 0.0), 0), -f_q - SHIFT_A))
-        tl.debug_barrier()
-        tl.store(ws + j, tl.sum(tl.where(d_ok, acc * s_t, 0.0), 0))
-        tl.debug_barrier()
-        z1 = tl.where(d_ok, acc * (s_t * 0.5), 0.0)
-        tl.store(ws + BLOCK_N + j, tl.minimum(tl.sum(z1 * z1, 0), big / 4) * 4)
-        tl.debug_barrier()
-        tl.store(ws + 2 * BLOCK_N + j, tl.sum(tl.where(d_ok, tl.abs(acc) * (s_t * 0.25), 0.0), 0) * 4)
-        tl.debug_barrier()
+        column_sums_tl(acc, ws, d_ok, ck_m, s_t, f_q, SHIFT_A, BLOCK_N)
         up_r = pow2_tl(e_p - e_i)
-        s1_r = tl.sum(tl.where(d_ok, acc * (s_t * 0.125), 0.0), 1) * 8 * up_r
-        z4 = tl.where(d_ok, acc * (s_t * 0.0625), 0.0)
-        s2_r = tl.minimum(tl.minimum(tl.sum(z4 * z4, 1), big / 256) * 256 * up_r * up_r, big)
-        sa_r = tl.sum(tl.where(d_ok, tl.abs(acc) * (s_t * 0.03125), 0.0), 1) * 32 * up_r
-        p_r = times_pow2_tl(tl.sum(tl.where(ck_n[None, :], acc, 0.0), 1), -e_p - SHIFT_B) * up_r
+        s1_r, s2_r, sa_r, p_r = row_sums_tl(acc, d_ok, ck_n, s_t, up_r, e_p, SHIFT_B)
         jc = tl.arange(0, BLOCK_N)
         rc_n = pid_n * DN + jc
         nc_ok = (jc < DN) & (rc_n < N)
-        brc = br_ptr + pid_b * stride_brb + rc_n * _RF
-        f_j = tl.load(brc + _RE, mask=nc_ok, other=0.0)
-        r1_j = tl.load(brc + _RR1, mask=nc_ok, other=1.0)
-        rinf_j = tl.load(brc + _RRINF, mask=nc_ok, other=1.0)
-        low_j = tl.load(brc + _RLOW, mask=nc_ok, other=0.0) > 0
+        f_j, r1_j, rinf_j, low_j = line_stats_tl(br_ptr + pid_b * stride_brb + rc_n * _RF, nc_ok)
         up_c = pow2_tl(f_q - f_j)
-        s1_c = tl.load(ws + jc) * up_c
-        s2_c = tl.minimum(tl.load(ws + BLOCK_N + jc) * up_c * up_c, big)
-        sa_c = tl.load(ws + 2 * BLOCK_N + jc) * up_c
-        p_c = tl.load(ws + 3 * BLOCK_N + jc) * up_c
+        s1_c, s2_c, sa_c, p_c = column_sums_back_tl(ws, up_c, BLOCK_N)
         # the spread of the rows' and columns' scales (zero rows and columns aside)
         spread_r = tl.max(tl.where(m_ok & (r1_i > 0), e_p - e_i, 0.0), 0)
         spread_c = tl.max(tl.where(nc_ok & (r1_j > 0), f_q - f_j, 0.0), 0)
@@ -312,92 +469,27 @@ def checked_gemm_kernel(
         tc = tl.zeros((BLOCK_N,), dtype=tl.float32)
         tr = tl.zeros((BLOCK_M,), dtype=tl.float32)
         if CAP:
-            # K <= SMALL_K: the exact sums of |a||b| of the worst-case cap, after the K loop, of
-            # |a| 2^-E_p and |b| 2^-F_q (in natural units a row of B near 2^124 summed past
-            # float32's range: the cap went to inf, and the verdict changed with the scale)
-            for ks in range(0, tl.cdiv(K, BLOCK_K)):
-                kk = ks * BLOCK_K + rk
-                k_ok = kk < K
-                af = tl.abs(tl.load(a_ptr + pid_b * stride_ab + rm[:, None] * stride_am
-                                    + kk[None, :] * stride_ak,
-                                    mask=m_ok[:, None] & k_ok[None, :], other=0.0).to(tl.float32))
-                bf = tl.abs(tl.load(b_ptr + pid_b * stride_bb + kk[:, None] * stride_bk
-                                    + rc_n[None, :] * stride_bn,
-                                    mask=k_ok[:, None] & nc_ok[None, :], other=0.0).to(tl.float32))
-                af = times_pow2_tl(af, -e_p)
-                bf = times_pow2_tl(bf, -f_q)
-                tc += tl.sum(tl.sum(af, 0)[:, None] * bf, 0)
-                tr += tl.sum(af * tl.sum(bf, 1)[None, :], 1)
-            tc = tc * up_c
-            tr = tr * up_r
-        thr_c = threshold_tl(coef_ptr, s1_c, s2_c, sa_c, p_c,
-                             tl.load(ab + _BX1), tl.load(ab + _BXINF), tl.load(ab + _BXS1),
-                             tl.load(ab + _BXSINF), r1_j, rinf_j, tl.load(ab + _BNU),
-                             tl.where(low_j, tl.load(ab + _BLOW), 0.0) > 0, e_p, f_j,
-                             tc, CAP)
-        thr_r = threshold_tl(coef_ptr + _NCOEF, s1_r, s2_r, sa_r, p_r,
-                             tl.load(bb + _BX1), tl.load(bb + _BXINF), tl.load(bb + _BXS1),
-                             tl.load(bb + _BXSINF), r1_i, rinf_i, tl.load(bb + _BNU),
-                             tl.where(low_i, tl.load(bb + _BLOW), 0.0) > 0, f_q, e_i,
-                             tr, CAP)
+            tc, tr = cap_sums_tl(a_ptr + pid_b * stride_ab, b_ptr + pid_b * stride_bb, rm, rc_n,
+                                 m_ok, nc_ok, stride_am, stride_ak, stride_bk, stride_bn, K, e_p,
+                                 f_q, up_r, up_c, BLOCK_M, BLOCK_N, BLOCK_K)
+        thr_c = side_threshold_tl(coef_ptr, s1_c, s2_c, sa_c, p_c, ab, r1_j, rinf_j, low_j, e_p,
+                                  f_j, tc, CAP)
+        thr_r = side_threshold_tl(coef_ptr + _NCOEF, s1_r, s2_r, sa_r, p_r, bb, r1_i, rinf_i,
+                                  low_i, f_q, e_i, tr, CAP)
         res_c = s1_c - p_c
         res_r = s1_r - p_r
-        # status: inputs finite (statistics), accumulator finite, thresholds finite; a
-        # non-finite accumulator from finite inputs is an alarm unless the product may overflow
-        inputs_ok = (tl.load(ab + _BFIN) > 0) & (tl.load(bb + _BFIN) > 0)
-        acc_ok = tl.sum(tl.where(nc_ok, tl.abs(s1_c), 0.0), 0) < float("inf")
-        thr_ok = (tl.sum(tl.where(nc_ok, thr_c, 0.0), 0)
-                  + tl.sum(tl.where(m_ok, thr_r, 0.0), 0)) < float("inf")
-        norm_a = tl.max(tl.where(m_ok, tl.sqrt(r1_i) * pow2_tl(e_i), 0.0), 0)
-        norm_b = tl.max(tl.where(nc_ok, tl.sqrt(r1_j) * pow2_tl(f_j), 0.0), 0)
-        may_overflow = norm_a * norm_b >= big
-        # the checksum rows (columns) are in their block's units: near float32's largest values
-        # their products with the other operand may overflow where the data's do not
-        pred_ok = (tl.min(tl.where(nc_ok, (tl.abs(p_c) < float("inf")).to(tl.int32), 1), 0)
-                   * tl.min(tl.where(m_ok, (tl.abs(p_r) < float("inf")).to(tl.int32), 1), 0)) > 0
-        status = tl.where(inputs_ok & thr_ok & acc_ok & scales_ok & pred_ok, _OK, _UNVERIFIED)
-        status = tl.where(inputs_ok & (acc_ok == 0) & (may_overflow == 0), _NONFINITE, status)
+        status = status_tl(ab, bb, s1_c, p_c, thr_c, nc_ok, r1_j, f_j, p_r, thr_r, m_ok, r1_i, e_i,
+                           scales_ok)
         unverified = status == _UNVERIFIED
-        rat_c = tl.where(unverified, 0.0, tl.where(nc_ok, res_c / thr_c, 0.0))
-        rat_r = tl.where(unverified, 0.0, tl.where(m_ok, res_r / thr_r, 0.0))
-        rat_c = tl.where(rat_c == rat_c, rat_c, float("inf"))          # NaN -> failing
-        rat_r = tl.where(rat_r == rat_r, rat_r, float("inf"))
-        mag_c = tl.abs(rat_c)
-        mag_r = tl.abs(rat_r)
-        cw = tl.max(mag_c, 0)
-        rw = tl.max(mag_r, 0)
-        ci = tl.argmax(mag_c, 0)
-        ri = tl.argmax(mag_r, 0)
-        cf = tl.sum((mag_c > 1).to(tl.float32), 0)
-        rf = tl.sum((mag_r > 1).to(tl.float32), 0)
-        col_at = tl.where(cf > 0, (pid_n * DN + ci).to(tl.float32), -1.0)
-        row_at = tl.where(rf > 0, (pid_m * DM + ri).to(tl.float32), -1.0)
-        # residuals and thresholds in C's units: undo the scaling, apply alpha
-        unit_c = tl.abs(alpha) / s_t / up_c
-        unit_r = tl.abs(alpha) / s_t / up_r
-        sgn = tl.where(alpha < 0, -1.0, 1.0)
-        sel_c = jc == ci
-        sel_r = i == ri
-        res_w = tl.where(cf > 0, tl.sum(tl.where(sel_c, res_c * unit_c, 0.0), 0),
-                         tl.sum(tl.where(sel_r, res_r * unit_r, 0.0), 0)) * sgn
-        thr_w = tl.where(cf > 0, tl.sum(tl.where(sel_c, thr_c * unit_c, 0.0), 0),
-                         tl.sum(tl.where(sel_r, thr_r * unit_r, 0.0), 0))
-        f = tl.arange(0, 16)
-        rec = tl.where(f == _F_ROW_RATIO, rw, tl.where(f == _F_ROW_FAILS, rf, tl.where(
-            f == _F_ROW, row_at, tl.where(f == _F_COL_RATIO, cw, tl.where(
-                f == _F_COL_FAILS, cf, tl.where(f == _F_COL, col_at, tl.where(
-                    f == _F_RES, res_w, tl.where(f == _F_THR, thr_w, status))))))))
-        v_off = ((pid_b * TM + pid_m) * TN + pid_n) * _NFIELDS
-        tl.store(v_ptr + v_off + f, rec, mask=f < _NFIELDS)
-        tl.store(rr_ptr + (pid_b * M + rm) * TN + pid_n, rat_r, mask=m_ok)
-        tl.store(rc_ptr + (pid_b * TM + pid_m) * N + rc_n, rat_c, mask=nc_ok)
-        if SUMS:
-            o_r = ((pid_b * M + rm) * TN + pid_n) * 2
-            o_c = ((pid_b * TM + pid_m) * N + rc_n) * 2
-            tl.store(sr_ptr + o_r, res_r * unit_r * sgn, mask=m_ok)
-            tl.store(sr_ptr + o_r + 1, thr_r * unit_r, mask=m_ok)
-            tl.store(sc_ptr + o_c, res_c * unit_c * sgn, mask=nc_ok)
-            tl.store(sc_ptr + o_c + 1, thr_c * unit_c, mask=nc_ok)
+        rat_c = ratios_tl(res_c, thr_c, nc_ok, unverified)
+        rat_r = ratios_tl(res_r, thr_r, m_ok, unverified)
+        verdict_tl(v_ptr, (pid_b * TM + pid_m) * TN + pid_n, status,
+                   rat_r, res_r, thr_r, up_r, pid_m * DM, rat_c, res_c, thr_c, up_c, pid_n * DN,
+                   s_t, alpha, BLOCK_M, BLOCK_N)
+        side_out_tl(rr_ptr, sr_ptr, (pid_b * M + rm) * TN, pid_n, rat_r, res_r, thr_r, m_ok, up_r,
+                    s_t, alpha, SUMS)
+        side_out_tl(rc_ptr, sc_ptr, (pid_b * TM + pid_m) * N, rc_n, rat_c, res_c, thr_c, nc_ok,
+                    up_c, s_t, alpha, SUMS)
     store_out_tl(acc, c_ptr, d_ptr, pid_b, rm, rn, m_ok, n_ok, alpha, beta, stride_cb, stride_cm,
                  stride_cn, stride_db, stride_dm, stride_dn, HAS_ADD, SCALED, ROUND_OUT)
 
@@ -489,26 +581,76 @@ def _tf32(a, tf32):
             and (_backends.tf32_allowed(a.device) if tf32 is None else bool(tf32))), 0
 
 
-def launch(a3, b3, addend, pa, pb, ar, ab, br, bb, coef, alpha, beta, bm, bn, ra, rb, a_k_major,
-           b_k_major, check, tf32, tf32_emulation, inject_kind, inject_at, inject_value, sums):
+@dataclass(frozen=True)
+class LaunchPlan:
+    """One launch of ``checked_gemm_kernel``, beyond its tensors: ``launch`` makes the kernel's
+    arguments from it. It crosses the custom op (whose schema takes tensors and scalars) as two
+    lists, ``pack`` and ``unpack``."""
+    bm: int                     # the kernel's tile, BM x BN
+    bn: int
+    ra: int                     # checksum rows of the A tile, columns of the B tile (``Layout``)
+    rb: int
+    a_k_major: bool             # the parts are stored contiguous along K (``Layout``)
+    b_k_major: bool
+    check: bool                 # False: the checks compiled out (ra = rb = 0)
+    tf32: bool                  # fp32 operands on tf32 tensor cores
+    tf32_emulation: int = 0     # tf32 inputs emulated in the kernel (``_TF32_EMU``), 0: not
+    sums: bool = False          # also write every sum's residual and threshold
+    alpha: float = 1.0          # C = alpha * A.B + beta * addend
+    beta: float = 1.0
+    inject_kind: int = 0        # ``INJECT_KINDS``' code, 0: no fault
+    inject_batch: int = 0       # the fault's element and K step, the bit flipped, the value added
+    inject_row: int = -1
+    inject_col: int = -1
+    inject_step: int = 0
+    inject_bit: int = 0
+    inject_value: float = 0.0
+    block_k: int = 0            # with warps and stages, a config; 0: the autotuner's (on a GPU)
+    num_warps: int = 0          # or the factory's one config (under the interpreter)
+    num_stages: int = 0
+
+    def pack(self) -> Tuple[List[int], List[float]]:
+        """The fields in order: (the int and bool ones as ints, the float ones)."""
+        ints = [int(getattr(self, f.name)) for f in fields(self) if f.type is not float]
+        return ints, [float(getattr(self, f.name)) for f in fields(self) if f.type is float]
+
+    @classmethod
+    def unpack(cls, ints, floats):
+        ints, floats = iter(ints), iter(floats)
+        return cls(**{f.name: f.type(next(floats if f.type is float else ints))
+                      for f in fields(cls)})
+
+    def tile_grid(self, m, n):
+        """(TM, TN): the data tiles over an M x N product."""
+        return -(-m // (self.bm - self.ra)), -(-n // (self.bn - self.rb))
+
+
+def _outputs(a3, b3, plan):
+    """The launch's outputs, empty: C, the verdict, the row and column ratios, and the residuals
+    and thresholds of every row and column sum (empty without ``plan.sums``)."""
+    bt, m, _ = a3.shape
+    n = b3.shape[2]
+    tm, tn = plan.tile_grid(m, n)
+    f32 = dict(dtype=torch.float32, device=a3.device)
+    return (torch.empty(bt, m, n, dtype=a3.dtype, device=a3.device),
+            torch.empty(bt, tm, tn, L.NFIELDS, **f32),
+            torch.empty(bt, m, tn, **f32), torch.empty(bt, tm, n, **f32),
+            torch.empty(bt, m, tn, 2, **f32) if plan.sums else torch.empty(0, **f32),
+            torch.empty(bt, tm, n, 2, **f32) if plan.sums else torch.empty(0, **f32))
+
+
+def launch(a3, b3, addend, pa, pb, ar, ab, br, bb, coef, plan):
     """The launch's outputs, grid, positional arguments and meta-parameters (without BLOCK_K,
-    warps and stages): what ``_launch_impl`` passes to the kernel and ``abft bench --static``
-    compiles (on "meta" tensors, which allocate nothing)."""
+    warps and stages) for ``plan``: what ``_launch_impl`` passes to the kernel and ``abft bench
+    --static`` compiles (on "meta" tensors, which allocate nothing)."""
     bt, m, k = a3.shape
     n = b3.shape[2]
-    tm, tn = triton.cdiv(m, bm - ra), triton.cdiv(n, bn - rb)
-    dev = a3.device
-    f32 = dict(dtype=torch.float32, device=dev)
-    c = torch.empty(bt, m, n, dtype=a3.dtype, device=dev)
-    verdict = torch.empty(bt, tm, tn, L.NFIELDS, **f32)
-    rr = torch.empty(bt, m, tn, **f32)
-    rc = torch.empty(bt, tm, n, **f32)
-    sr = torch.empty(bt, m, tn, 2, **f32) if sums else torch.empty(0, **f32)
-    sc = torch.empty(bt, tm, n, 2, **f32) if sums else torch.empty(0, **f32)
-    ws = torch.empty(bt * tm * tn * 4 * bn if check else 1, **f32)
+    tm, tn = plan.tile_grid(m, n)
+    outs = c, verdict, rr, rc, sr, sc = _outputs(a3, b3, plan)
+    ws = torch.empty(bt * tm * tn * 4 * plan.bn if plan.check else 1, dtype=torch.float32,
+                     device=a3.device)
     # without an addend, a3 stands in for it (never read): no output may alias another argument
     d = addend if addend is not None else a3
-    ib, im, jn, ik, ibit = inject_at
     bstride = lambda t: t.stride(0) if t.shape[0] > 1 else 0
     args = (a3, b3, c, d, pa, pb, ws,
             verdict, rr, rc, sr, sc,
@@ -521,62 +663,48 @@ def launch(a3, b3, addend, pa, pb, ar, ab, br, bb, coef, alpha, beta, bm, bn, ra
             bstride(pa), pa.stride(1), pa.stride(2),
             bstride(pb), pb.stride(1), pb.stride(2),
             bstride(ar), bstride(ab), bstride(br), bstride(bb),
-            alpha, beta,
-            ib, im, jn, ik, ibit, inject_value)
-    meta = dict(BLOCK_M=bm, BLOCK_N=bn, RA=ra, RB=rb, GROUP_M=GROUP_M,
-                A_VEC=1 if a_k_major else _vector(a3, 1, 2, check),
-                B_VEC=1 if b_k_major else _vector(b3, 2, 1, check),
-                HAS_ADD=addend is not None, SCALED=alpha != 1.0, CHECK=check, INJECT=inject_kind,
-                DOT_FP32=_configs.interpreting() and a3.dtype == torch.bfloat16,
-                ALLOW_TF32=tf32, TF32_EMU=tf32_emulation, CAP=check and k <= T.SMALL_K,
-                SUMS=sums, ROUND_OUT=_configs.interpreting() and a3.dtype == torch.bfloat16,
-                SHIFT_A=_prepass.chk_shift(a3.dtype, bm - ra) if check else 0,
-                SHIFT_B=_prepass.chk_shift(a3.dtype, bn - rb) if check else 0)
-    return (c, verdict, rr, rc, sr, sc), (tm * tn, bt), args, meta
+            plan.alpha, plan.beta,
+            plan.inject_batch, plan.inject_row, plan.inject_col, plan.inject_step, plan.inject_bit,
+            plan.inject_value)
+    check, bf16_interpreted = plan.check, _configs.interpreting() and a3.dtype == torch.bfloat16
+    meta = dict(BLOCK_M=plan.bm, BLOCK_N=plan.bn, RA=plan.ra, RB=plan.rb, GROUP_M=GROUP_M,
+                A_VEC=1 if plan.a_k_major else _vector(a3, 1, 2, check),
+                B_VEC=1 if plan.b_k_major else _vector(b3, 2, 1, check),
+                HAS_ADD=addend is not None, SCALED=plan.alpha != 1.0, CHECK=check,
+                INJECT=plan.inject_kind, DOT_FP32=bf16_interpreted, ALLOW_TF32=plan.tf32,
+                TF32_EMU=plan.tf32_emulation, CAP=check and k <= T.SMALL_K, SUMS=plan.sums,
+                ROUND_OUT=bf16_interpreted,
+                SHIFT_A=_prepass.chk_shift(a3.dtype, plan.bm - plan.ra) if check else 0,
+                SHIFT_B=_prepass.chk_shift(a3.dtype, plan.bn - plan.rb) if check else 0)
+    return outs, (tm * tn, bt), args, meta
 
 
 def _launch_impl(a3: torch.Tensor, b3: torch.Tensor, addend: Optional[torch.Tensor],
                  pa: torch.Tensor, pb: torch.Tensor,
                  ar: torch.Tensor, ab: torch.Tensor, br: torch.Tensor, bb: torch.Tensor,
-                 coef: torch.Tensor,
-                 alpha: float, beta: float, bm: int, bn: int, ra: int, rb: int, a_k_major: bool,
-                 b_k_major: bool, check: bool, tf32: bool,
-                 tf32_emulation: int, inject_kind: int, inject_at: List[int], inject_value: float,
-                 block_k: int, num_warps: int, num_stages: int, sums: bool,
+                 coef: torch.Tensor, ints: List[int], floats: List[float],
                  ) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor,
                             torch.Tensor]:
-    """One launch over a (B, M, K) x (B, K, N) batch; block_k = 0 lets the autotuner choose (on a
-    GPU) or takes the factory's one config (under the interpreter)."""
-    outs, grid, args, meta = launch(a3, b3, addend, pa, pb, ar, ab, br, bb, coef, alpha, beta, bm,
-                                    bn, ra, rb, a_k_major, b_k_major, check, tf32, tf32_emulation,
-                                    inject_kind, inject_at, inject_value, sums)
+    """One launch over a (B, M, K) x (B, K, N) batch of the plan ``LaunchPlan.pack`` made."""
+    plan = LaunchPlan.unpack(ints, floats)
+    outs, grid, args, meta = launch(a3, b3, addend, pa, pb, ar, ab, br, bb, coef, plan)
     if grid[0] * grid[1] == 0:
         return outs
-    if block_k:
+    if plan.block_k:
         kernel = checked_gemm_kernel
-        meta.update(BLOCK_K=block_k, num_warps=num_warps, num_stages=num_stages)
+        meta.update(BLOCK_K=plan.block_k, num_warps=plan.num_warps, num_stages=plan.num_stages)
     elif _configs.interpreting():
         kernel = checked_gemm_kernel
-        cfg = _configs.configs(bm, bn, a3.dtype)[0]
+        cfg = _configs.configs(plan.bm, plan.bn, a3.dtype)[0]
         meta.update(cfg.kwargs, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     else:
-        kernel = _autotuned(bm, bn, a3.dtype)
+        kernel = _autotuned(plan.bm, plan.bn, a3.dtype)
     wrap_triton(kernel)[grid](*args, **meta)
     return outs
 
 
-def _launch_fake(a3, b3, addend, pa, pb, ar, ab, br, bb, coef, alpha, beta, bm, bn, ra, rb,
-                 a_k_major, b_k_major, check,
-                 tf32, tf32_emulation, inject_kind, inject_at, inject_value, block_k, num_warps,
-                 num_stages, sums):
-    bt, m, _ = a3.shape
-    n = b3.shape[2]
-    tm, tn = -(-m // (bm - ra)), -(-n // (bn - rb))
-    f32 = dict(dtype=torch.float32, device=a3.device)
-    return (a3.new_empty(bt, m, n), a3.new_empty(bt, tm, tn, L.NFIELDS, **f32),
-            a3.new_empty(bt, m, tn, **f32), a3.new_empty(bt, tm, n, **f32),
-            a3.new_empty(bt, m, tn, 2, **f32) if sums else a3.new_empty(0, **f32),
-            a3.new_empty(bt, tm, n, 2, **f32) if sums else a3.new_empty(0, **f32))
+def _launch_fake(a3, b3, addend, pa, pb, ar, ab, br, bb, coef, ints, floats):
+    return _outputs(a3, b3, LaunchPlan.unpack(ints, floats))
 
 
 if _configs.interpreting():
@@ -678,13 +806,16 @@ def checked_gemm(a, b, bias=None, *, addend=None, alpha=1.0, beta=1.0, tiles=Non
     a3 = a3.expand(bt, m, k)
     b3 = b3.expand(bt, k, n)
     inj = inject or {}
-    where = [int(inj.get("batch", 0)), int(inj.get("row", -1)), int(inj.get("col", -1)),
-             int(inj.get("k_step", 0)), int(inj.get("bit", 0))]
-    cfg = (config.kwargs["BLOCK_K"], config.num_warps, config.num_stages) if config else (0, 0, 0)
-    c, verdict, rr, rc, sr, sc = _launch(
-        a3, b3, add, pa, pb, ar, ab, br, bb, coef, float(alpha), float(beta), bm, bn, lay.ra,
-        lay.rb, lay.a_k_major, lay.b_k_major, bool(check), tf, emu, INJECT_KINDS[inj["kind"]] if inject else 0, where,
-        float(inj.get("value", 0.0)), *cfg, bool(return_sums and check))
+    cfg = (dict(block_k=config.kwargs["BLOCK_K"], num_warps=config.num_warps,
+                num_stages=config.num_stages) if config else {})
+    plan = LaunchPlan(
+        bm, bn, lay.ra, lay.rb, lay.a_k_major, lay.b_k_major, bool(check), tf, emu,
+        sums=bool(return_sums and check), alpha=float(alpha), beta=float(beta),
+        inject_kind=INJECT_KINDS[inj["kind"]] if inject else 0,
+        inject_batch=int(inj.get("batch", 0)), inject_row=int(inj.get("row", -1)),
+        inject_col=int(inj.get("col", -1)), inject_step=int(inj.get("k_step", 0)),
+        inject_bit=int(inj.get("bit", 0)), inject_value=float(inj.get("value", 0.0)), **cfg)
+    c, verdict, rr, rc, sr, sc = _launch(a3, b3, add, pa, pb, ar, ab, br, bb, coef, *plan.pack())
     if squeeze:                     # 2-D operands: no batch dim, as the reference check returns
         c = c[0]
         if check:
