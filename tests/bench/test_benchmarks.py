@@ -8,7 +8,7 @@ import sys
 
 import pytest
 import torch
-from paths import ROOT  # noqa: E402
+from paths import ROOT, compiling_env  # noqa: E402
 
 
 def test_pairbench_runs_one_round(capsys):
@@ -134,7 +134,6 @@ def test_rowfloor_decomposes_the_row_checks_cost(tmp_path):
     import re
     import subprocess
     import sys
-    from test_static import compiling_env
     env = compiling_env()
     out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "rowfloor.py"),
                           "--out", str(tmp_path)], env=env, capture_output=True, text=True,

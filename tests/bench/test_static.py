@@ -9,13 +9,8 @@ import sys
 import pytest
 
 from abft.bench import rows, sass, static
-from paths import DATA  # noqa: E402
+from paths import DATA, compiling_env  # noqa: E402
 
-
-
-def compiling_env():
-    """The environment without TRITON_INTERPRET: an interpreted kernel cannot be compiled."""
-    return {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
 
 
 def test_the_sass_reader_reproduces_the_figures_of_the_kernel_before(tmp_path):

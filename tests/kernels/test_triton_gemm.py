@@ -314,7 +314,7 @@ def test_torch_compile_traces_the_kernel_itself():
     Traced here, run on GPUs only."""
     import subprocess
     import sys
-    from test_static import compiling_env
+    from paths import compiling_env
     env = compiling_env()
     out = subprocess.run([sys.executable, "-c", TRACE], env=env, capture_output=True, text=True,
                          timeout=300)
