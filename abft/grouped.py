@@ -24,6 +24,7 @@ from torch import Tensor
 from torch.library import custom_op
 
 from abft import autograd, coverage, ops
+from abft.detectors import outputs
 from abft.optable import CheckedOp, register
 
 
@@ -50,8 +51,11 @@ def _uncovered(a, b, out, ends):
 
 
 def _out_shape(a, b, offs):
-    """The output's shape, with the checks torch makes of the operands' shapes (the kernel's
-    path computes without torch's product, and torch's shape function is CUDA's)."""
+    """The output's shape, with the checks torch makes of the operands' shapes and of offs (the
+    kernel's path computes without torch's product, and torch's shape function is CUDA's)."""
+    if offs is not None:
+        torch._check(offs.dim() == 1, lambda: "offs has to be 1D")
+        torch._check(offs.dtype == torch.int32, lambda: "Offsets have to be int32")
     torch._check(a.dim() in (2, 3) and b.dim() in (2, 3), lambda: "grouped products take 2-D or 3-D operands")
     torch._check((offs is None) == (a.dim() == 3 and b.dim() == 3),
                  lambda: "offs is required for a 2-D operand, and refused for two 3-D ones")
@@ -72,11 +76,15 @@ def checked_grouped_mm(a, b, offs=None, *, phase="forward", module=None):
     where = ops.route(a, b)
     if where == "off":
         return torch._grouped_mm(a, b, offs=offs)
+    shape = _out_shape(a, b, offs)
+    ends = [] if offs is None else offs.tolist()
+    if any(e < s for s, e in zip([0] + ends, ends)):
+        # torch computes something of it; each group's own product would not be that
+        raise ValueError(f"abft.grouped_mm: offs: the groups' ends, non-decreasing from 0, got {ends}")
     if ops.computes(where):
-        out = a.new_empty(_out_shape(a, b, offs))
+        out = a.new_empty(shape)
     else:
         out = torch._grouped_mm(a, b, offs=offs).contiguous()     # (padded rows on CUDA)
-    ends = [] if offs is None else offs.tolist()
     rest = _uncovered(a, b, out, ends) if ends else None
     if rest is not None:
         rest.zero_()
@@ -91,17 +99,17 @@ def checked_grouped_mm(a, b, offs=None, *, phase="forward", module=None):
 
 
 @custom_op("abft::grouped_mm", mutates_args=())
-def grouped_mm_op(a: Tensor, b: Tensor, offs: Optional[Tensor], phase: str, module: str) -> Tensor:
+def grouped_mm_op(a: Tensor, b: Tensor, offs: Optional[Tensor], module: str, phase: str) -> Tensor:
     return checked_grouped_mm(a, b, offs, phase=phase, module=module or None)
 
 
 @grouped_mm_op.register_fake
-def _(a, b, offs, phase, module):
+def _(a, b, offs, module, phase):
     return a.new_empty(_out_shape(a, b, offs))
 
 
 def _setup(ctx, inputs, output):
-    a, b, offs, phase, module = inputs
+    a, b, offs, module, phase = inputs
     ctx.save_for_backward(a, b, offs)
     ctx.phase, ctx.module = phase, module
 
@@ -118,11 +126,14 @@ def _backward(ctx, grad):
 
 
 def _op(a, b, offs, phase, module):
-    return autograd.dispatch(torch.ops.abft.grouped_mm, (a, b, offs), (phase, module),
-                             autograd.plain_eager((a, b, offs)))
+    out = autograd.dispatch(torch.ops.abft.grouped_mm, (a, b, offs), (module, phase),
+                            autograd.plain_eager((a, b, offs)))
+    if outputs.active():                  # an OutputCheck is on: verified at its death
+        outputs.record(out, module or None, "grouped_mm", phase)
+    return out
 
 
-def _sharding(a, b, offs, phase, module):
+def _sharding(a, b, offs, module, phase):
     """DTensor placements, one mesh dimension at a time: everything replicated; the dimension of
     a or b that is not grouped sharded (the output's alike); the inner dimension sharded on both,
     where it is not grouped (a partial sum). ``offs`` stays replicated."""
@@ -159,20 +170,20 @@ def grouped_mm(mat_a, mat_b, offs=None, *, module=None):
     if autograd.transformed(mat_a, mat_b):
         coverage.unprotected("grouped_mm", module or None)
         return torch._grouped_mm(mat_a, mat_b, offs=offs)
-    return autograd.call(torch.ops.abft.grouped_mm, 0, (mat_a, mat_b, offs), "forward", module or "",
+    return autograd.call(torch.ops.abft.grouped_mm, 0, (mat_a, mat_b, offs), module or "", "forward",
                          autocast=False)           # torch's grouped product is not autocast's
 
 
-def _intercepted(module, mat_a, mat_b, offs=None, bias=None, out_dtype=None):
-    """What ``checked()`` runs for ``torch._grouped_mm``: torch's own call, unprotected, where it
-    adds a bias or converts the output."""
-    if bias is not None or out_dtype not in (None, mat_a.dtype):
+def _intercepted(module, input, mat2, offs=None, bias=None, out_dtype=None):
+    """What ``checked()`` runs for ``torch._grouped_mm`` (by torch's names): torch's own call,
+    unprotected, where it adds a bias or converts the output."""
+    if bias is not None or out_dtype not in (None, input.dtype):
         coverage.unprotected("grouped_mm", module)
-        return torch._grouped_mm(mat_a, mat_b, offs=offs, bias=bias, out_dtype=out_dtype)
-    return grouped_mm(mat_a, mat_b, offs, module=module)
+        return torch._grouped_mm(input, mat2, offs=offs, bias=bias, out_dtype=out_dtype)
+    return grouped_mm(input, mat2, offs, module=module)
 
 
 register(CheckedOp(
-    "grouped_mm", "(mat_a, mat_b, offs=None, bias=None, out_dtype=None)", ("mat_a", "mat_b"),
+    "grouped_mm", "(input, mat2, offs=None, bias=None, out_dtype=None)", ("input", "mat2"),
     _intercepted, intercepts=(torch._grouped_mm,), custom_op=grouped_mm_op, backward=_backward,
     setup=_setup, sharding=_sharding))

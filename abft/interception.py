@@ -423,8 +423,9 @@ def _handler(op):
     and ``op.optional`` ones where given and not None, by torch's names), torch's own call
     otherwise (counted as unprotected); keywords bound by torch's names, so an argument torch
     does not take raises torch's own error."""
-    if op.name in _handlers:
-        return _handlers[op.name]
+    cached = _handlers.get(op.name)
+    if cached is not None and cached[0] is op:       # (a row registered again gets a new one)
+        return cached[1]
     sig = _sig(op.signature)
     pos = [p.name for p in sig.parameters.values() if p.kind == p.POSITIONAL_OR_KEYWORD]
     required = sum(sig.parameters[p].default is sig.empty for p in pos)
@@ -444,7 +445,7 @@ def _handler(op):
             return func(*args, **kwargs)
         run = lambda: op.call(mod, **bound)
         return run() if out is None else _to_out(func, args, kwargs, out, run)
-    _handlers[op.name] = handle
+    _handlers[op.name] = op, handle
     return handle
 
 

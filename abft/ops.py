@@ -181,7 +181,8 @@ def _sample(op, phase, labels):
     s = _config.get()
     if s.sample_every == 1:
         return True
-    key = (op, phase, labels.get("module"), _call_site())
+    # a grouped product's groups are sampled each on its own count: all checked on the same calls
+    key = (op, phase, labels.get("module"), labels.get("group"), _call_site())
     with _sites_lock:
         n = _sites.get(key, 0)
         _sites[key] = n + 1

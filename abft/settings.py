@@ -78,7 +78,8 @@ class config:
 
     Keys: enabled, policy (record | warn | raise | recompute | correct), backend (one of
     ``abft.kernels.backends.names()``: reference | triton | auto, triton on CUDA tensors; the fused
-    kernel computes matmul, mm, bmm, addmm, baddbmm and linear, forward and backward), sample_every, tiles=(BM, BN), log_path, on_alarm,
+    kernel computes matmul, mm, bmm, addmm, baddbmm, linear and each group of grouped_mm, forward
+    and backward), sample_every, tiles=(BM, BN), log_path, on_alarm,
     max_pending, max_pending_bytes, lam. The environment variable ABFT_DISABLE=1 starts the
     process with enabled=False.
     """

@@ -1,4 +1,5 @@
-"""The campaign config: typed dataclasses that validate themselves, read from TOML or JSON.
+"""The campaign config: typed dataclasses read from TOML or JSON, checked field by field
+(``TrainConfig`` on construction, the rest by ``Config.from_dict``).
 
 ``Config`` is the whole campaign: its fields, ``train`` (a ``TrainConfig``) and ``profiles`` (one
 ``Node`` per ``[[profiles]]`` table: a ``faults.Profile`` and its sync modes). A field left out

@@ -611,18 +611,23 @@ class LaunchPlan:
 
     def pack(self) -> Tuple[List[int], List[float]]:
         """The fields in order: (the int and bool ones as ints, the float ones)."""
-        ints = [int(getattr(self, f.name)) for f in fields(self) if f.type is not float]
-        return ints, [float(getattr(self, f.name)) for f in fields(self) if f.type is float]
+        ints = [int(getattr(self, f.name)) for f in fields(self) if _kind(f) is not float]
+        return ints, [float(getattr(self, f.name)) for f in fields(self) if _kind(f) is float]
 
     @classmethod
     def unpack(cls, ints, floats):
         ints, floats = iter(ints), iter(floats)
-        return cls(**{f.name: f.type(next(floats if f.type is float else ints))
+        return cls(**{f.name: _kind(f)(next(floats if _kind(f) is float else ints))
                       for f in fields(cls)})
 
     def tile_grid(self, m, n):
         """(TM, TN): the data tiles over an M x N product."""
         return -(-m // (self.bm - self.ra)), -(-n // (self.bn - self.rb))
+
+
+def _kind(f):
+    """A LaunchPlan field's type (bool, int or float), also where annotations are strings."""
+    return {"bool": bool, "int": int, "float": float}.get(f.type, f.type)
 
 
 def _outputs(a3, b3, plan):

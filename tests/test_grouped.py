@@ -75,6 +75,8 @@ def test_bfloat16_and_half_groups_are_checked_clean(backend):
             y = abft.grouped_mm(a, b, offs)
             assert y.dtype == dtype and y.shape == torch._grouped_mm(a, b, offs=offs).shape
     assert not abft.flush()
+    # four forms of four groups (three where one is empty), two dtypes
+    assert {r["op"]: r["checked"] for r in abft.coverage()} == {"grouped_mm": 2 * (3 + 3 + 3 + 4)}
 
 
 def test_rows_no_group_covers_are_zeros_and_the_rest_torchs(backend):
@@ -115,18 +117,30 @@ def test_checked_intercepts_torchs_grouped_product_and_leaves_a_bias_to_torch():
     a, b = torch.randn(12, 8), torch.randn(4, 8, 16)
     with abft.checked():
         y = torch._grouped_mm(a, b, offs=OFFS)
+        for kw in (dict(input=a, mat2=b, offs=OFFS), dict(mat2=b, offs=OFFS)):   # torch's names
+            args = () if "input" in kw else (a,)
+            assert torch.equal(torch._grouped_mm(*args, **kw), y)
         with pytest.raises(RuntimeError, match="Bias not supported"):      # torch's own answer
             torch._grouped_mm(a, b, OFFS, bias=torch.randn(4, 16))
     assert torch.equal(y, torch._grouped_mm(a, b, offs=OFFS))
     rows = {r["op"]: r for r in abft.coverage()}
-    assert rows["grouped_mm"]["checked"] == 3 and rows["grouped_mm"]["unprotected"] == 1
+    assert rows["grouped_mm"]["checked"] == 3 * 3 and rows["grouped_mm"]["unprotected"] == 1
 
 
 def test_the_grouped_op_compiles_as_one_node():
     a, b = torch.randn(12, 8, requires_grad=True), torch.randn(4, 8, 16, requires_grad=True)
+    graphs = []
+
+    def backend(gm, inputs):             # dynamo's graph, then aot_eager's compilation of it
+        graphs.append(gm)
+        from torch._dynamo.backends.debugging import aot_eager
+        return aot_eager(gm, inputs)
+
     fn = torch.compile(lambda a, b: abft.grouped_mm(a, b, OFFS).square().sum(), fullgraph=True,
-                       backend="aot_eager")
+                       backend=backend)
     fn(a, b).backward()
+    nodes = [n.target for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert len(graphs) == 1 and nodes.count(torch.ops.abft.grouped_mm) == 1, nodes
     want_a = a.grad.clone()
     a.grad = None
     abft.grouped_mm(a, b, OFFS).square().sum().backward()
@@ -239,3 +253,39 @@ def test_a_mixtral_with_grouped_experts_trains_bit_for_bit_under_checked_and_a_f
             model(x, labels=x).loss.backward()
     assert [(a.module, a.phase, a.labels["group"], a.row, a.col) for a in abft.flush()] == \
         [("model.layers.1.mlp.experts", "grad_b", 2, 3, 1)]
+
+
+def test_every_group_is_sampled_on_the_same_calls():
+    """With sample_every=2 each group keeps its own count: every other call checks all of them
+    (one count for the call site would check groups 0 and 2 on every call, 1 and 3 never)."""
+    a, b, offs = torch.randn(12, 8), torch.randn(4, 8, 16), torch.tensor([3, 5, 8, 12], dtype=torch.int32)
+    with abft.config(sample_every=2), abft.inject(when=lambda c: c.labels["group"] == 3, kind="add",
+                                                  value=100.0, row=0, col=0, times=None):
+        for _ in range(4):
+            abft.grouped_mm(a, b, offs)
+    row = {r["op"]: r for r in abft.coverage()}["grouped_mm"]
+    assert (row["checked"], row["sampled_out"]) == (2 * 4, 2 * 4)
+    assert [al.labels["group"] for al in abft.flush()] == [3, 3]
+
+
+@pytest.mark.parametrize("offs, error, match", [
+    (torch.tensor([5, 3, 8, 12], dtype=torch.int32), ValueError, r"offs: the groups' ends, non-decreasing"),
+    (torch.tensor([3, 3, 8, 12]), RuntimeError, "Offsets have to be int32"),
+    (torch.tensor([[3, 3, 8, 12]], dtype=torch.int32), RuntimeError, "offs has to be 1D")])
+def test_bad_offs_are_refused_before_anything_is_checked(offs, error, match, backend):
+    a, b = torch.randn(12, 8), torch.randn(4, 8, 16)
+    with pytest.raises(error, match=match):
+        abft.grouped_mm(a, b, offs)
+    assert not abft.coverage() and not abft.flush()
+
+
+def test_output_check_names_the_grouped_products_module_forward_and_backward():
+    a, b = torch.randn(12, 8, requires_grad=True), torch.randn(4, 8, 16, requires_grad=True)
+    with abft.OutputCheck() as chk:
+        y = abft.grouped_mm(a, b, OFFS, module="experts")
+        y.data.view(-1).view(torch.int32)[5] ^= 1 << 28          # a flip after its check
+        y.sum().backward()
+        del y
+    found = [(al.kind, al.module, al.phase) for al in abft.flush()]
+    assert found == [("carry", "experts", "forward")], found
+    assert chk.recorded == 3              # the output and both gradients

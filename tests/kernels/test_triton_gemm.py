@@ -462,3 +462,18 @@ def test_checksum_split_errors_of_one_sign_over_many_k_do_not_alarm(transpose):
     assert torch.equal(c, torch.matmul(a, b))
     assert not L.alarmed(verdict).any(), verdict
     assert max(float(d.abs().max()) for d in detail) < 0.05
+
+
+def test_a_launch_plan_crosses_the_custom_op_as_two_lists_and_comes_back_whole():
+    import dataclasses
+    import math
+    plan = TG.LaunchPlan(bm=64, bn=32, ra=1, rb=2, a_k_major=True, b_k_major=False, check=True,
+                         tf32=False, tf32_emulation=2, sums=True, alpha=-0.5, beta=2.0,
+                         inject_kind=3, inject_row=7, inject_value=float("nan"), block_k=32)
+    ints, floats = plan.pack()
+    assert all(type(v) is int for v in ints) and all(type(v) is float for v in floats)
+    back = TG.LaunchPlan.unpack(ints, floats)
+    for f in dataclasses.fields(plan):
+        mine, theirs = getattr(plan, f.name), getattr(back, f.name)
+        assert type(mine) is type(theirs), f.name
+        assert mine == theirs or math.isnan(mine) and math.isnan(theirs), f.name
