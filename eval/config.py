@@ -1,5 +1,5 @@
-"""The campaign config: typed dataclasses read from TOML or JSON, checked field by field
-(``TrainConfig`` on construction, the rest by ``Config.from_dict``).
+"""The campaign config: typed dataclasses read from TOML or JSON that check their own fields on
+construction (``Config.from_dict`` checks the tables and profiles against the rest).
 
 ``Config`` is the whole campaign: its fields, ``train`` (a ``TrainConfig``) and ``profiles`` (one
 ``Node`` per ``[[profiles]]`` table: a ``faults.Profile`` and its sync modes). A field left out
@@ -196,37 +196,39 @@ class Node:
 
 @dataclass
 class Config:
-    """A campaign: trials are ``profiles x seeds x modes``. Build it with ``from_dict`` (or
-    ``load``), which checks every field."""
+    """A campaign: trials are ``profiles x seeds x modes``. Its own fields are checked on
+    construction; ``from_dict`` (or ``load``) checks the tables too, profiles against the rest."""
     seed: int = 0            # the campaign's seed: the data and fault streams derive from it
     seeds: int = 1           # trials per profile and mode
     threads: int = 1         # torch threads per trial (results depend on it)
     modes: list = field(default_factory=lambda: ["computation"])   # from sync.MODES
     backend: str = backends.REFERENCE
     train: TrainConfig = field(default_factory=TrainConfig)
-    profiles: list = field(default_factory=list)                   # Node, at least one
+    profiles: list = field(default_factory=list)                   # Node (from_dict: at least one)
+
+    def __post_init__(self):
+        for k, low in (("seed", 0), ("seeds", 1), ("threads", 1)):
+            v = getattr(self, k)
+            if not fm.whole(v) or v < low:
+                raise ValueError(f"config.{k}: a whole number >= {low}, got {v!r}")
+        self.modes = _modes(self.modes, "config.modes")
+        if self.backend not in backends.names():
+            raise ValueError(f"config.backend: {' | '.join(backends.names())}, got {self.backend!r}")
+        if not isinstance(self.train, TrainConfig):
+            raise ValueError(f"config.train: a TrainConfig, got {self.train!r}")
 
     @classmethod
     def from_dict(cls, d):
         """The config from a parsed TOML or JSON table; a bad field raises ValueError naming it."""
         _table(d, tuple(f.name for f in fields(cls)), "config")
-        default = cls()
-        kw = {}
-        for k, low in (("seed", 0), ("seeds", 1), ("threads", 1)):
-            v = kw[k] = d.get(k, getattr(default, k))
-            if not fm.whole(v) or v < low:
-                raise ValueError(f"config.{k}: a whole number >= {low}, got {v!r}")
-        kw["modes"] = _modes(d.get("modes", default.modes), "config.modes")
-        backend = kw["backend"] = d.get("backend", default.backend)
-        if backend not in backends.names():
-            raise ValueError(f"config.backend: {' | '.join(backends.names())}, got {backend!r}")
+        cfg = cls(**{k: v for k, v in d.items() if k not in ("train", "profiles")})
         train = d.get("train", {})
         _table(train, tuple(f.name for f in fields(TrainConfig)), "config.train")
-        kw["train"] = TrainConfig(**train)
+        cfg.train = TrainConfig(**train)
         profiles = d.get("profiles")
         if not isinstance(profiles, list) or not profiles:
             raise ValueError("config.profiles: a list of node profiles ([[profiles]] tables)")
-        cfg, seen = cls(**kw), set()
+        seen = set()
         targets = functools.cache(lambda: fm.targets(cfg.train.model()))
         for i, p in enumerate(profiles):
             node = Node.from_dict(p, f"config.profiles[{i}]", cfg, targets)

@@ -111,3 +111,15 @@ def test_a_train_override_is_checked_with_the_whole_campaign():
     assert cfg.with_train(steps=4).train.steps == 4 and cfg.train.steps == 30
     with pytest.raises(ValueError, match=r"\(a\)\.onset: 3 is not before train\.steps \(3\)"):
         cfg.with_train(steps=3)
+
+
+@pytest.mark.parametrize("kw, message", [
+    (dict(seeds=0), "config.seeds: a whole number >= 1, got 0"),
+    (dict(threads=1.5), "config.threads: a whole number >= 1, got 1.5"),
+    (dict(modes=["sometimes"]), "config.modes: a list from"),
+    (dict(backend="cuda"), "config.backend: reference | triton | auto"),
+    (dict(train={"steps": 3}), "config.train: a TrainConfig, got {'steps': 3}")])
+def test_a_config_built_in_code_checks_its_own_fields(kw, message):
+    with pytest.raises(ValueError) as e:
+        Config(**kw)
+    assert str(e.value).startswith(message), str(e.value)
