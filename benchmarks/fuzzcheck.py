@@ -14,7 +14,11 @@ constant-row, mixed-scale, sparse and integer values; batches and broadcast B; r
 column-major and padded layouts; addends), ``kernel`` (the fused kernel, ``checked_gemm``, on
 structured values in its dtypes: M, N up to 70 and K up to 300, batches, a bias, tiles 16-64; a
 clean product that alarms is a false alarm; then again with a value added to one accumulator
-element in the kernel; needs TRITON_INTERPRET=1 or a GPU: about a second a case interpreted).
+element in the kernel; needs TRITON_INTERPRET=1 or a GPU: about a second a case interpreted),
+``grouped`` (``abft.grouped_mm`` through the API on ``--backend``, forward and both gradients:
+every form of torch's grouped product, structured values in float32, bfloat16 and float16, up to
+five groups of 0 to 33 rows; any alarm of a clean case is a false alarm; then again with a value
+added to one group's forward output).
 One line per finding (JSON: kind, seed, and what the case was), then a summary line. ``--seed``
 starts the seeds; a finding's seed replays it alone (``--seed N --cases 1``).
 """
@@ -32,7 +36,7 @@ from abft.bench import results
 from abft.kernels import layout as L
 from abft.kernels import reference
 
-FAMILIES = ("extreme", "structured", "kernel")
+FAMILIES = ("extreme", "structured", "kernel", "grouped")
 DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 # the extreme family's operand scales, per dtype (powers of two near its ranges' edges, and 1)
 SCALES = {torch.float64: (-511, -520, -530, 500, 508, 511, 0), torch.float32: (60, 62, -63, -70, 0),
@@ -195,6 +199,68 @@ def run_kernel(seconds=60.0, seed=0, cases=None, out=None):
     return s
 
 
+def draw_grouped(seed):
+    """(a, b, offs, description) of the grouped family's case ``seed``, or None: sizes in
+    multiples of 16 bytes, as torch's grouped product takes them."""
+    rnd, g = random.Random(seed), torch.Generator().manual_seed(seed)
+    dt = rnd.choice((torch.float32, torch.bfloat16, torch.float16))
+    q = 16 // dt.itemsize
+    sizes = [rnd.choice((0, 1, 2, 3, 7, 16, 33)) for _ in range(rnd.randint(1, 5))]
+    t = q * max(1, -(-sum(sizes) // q) + rnd.randint(0, 1))       # rows past the groups too
+    m, k, n = (q * rnd.randint(1, 6) for _ in range(3))
+    form = rnd.choice(("2d3d", "2d2d", "3d2d", "3d3d"))
+    shapes = {"2d3d": ((t, k), (len(sizes), k, n)), "2d2d": ((m, t), (t, n)),
+              "3d2d": ((len(sizes), m, k), (k, t)), "3d3d": ((len(sizes), m, k), (len(sizes), k, n))}[form]
+    (a, ka), (b, kb) = (_values(rnd, g, s, dt) for s in shapes)
+    if not (torch.isfinite(a).all() and torch.isfinite(b).all()):
+        return None
+    offs = None if form == "3d3d" else torch.tensor(sizes).cumsum(0).to(torch.int32)
+    return a, b, offs, dict(form=form, values=(ka, kb), dtype=str(dt).replace("torch.", ""),
+                            groups=sizes, shapes=shapes)
+
+
+def run_grouped(seconds=60.0, seed=0, cases=None, backend="reference", out=None):
+    """The grouped family (``run``'s arguments, and the backend; the summary)."""
+    import abft
+    out = out or sys.stdout
+    s = dict(family="grouped", backend=backend, seeds=[seed, seed], clean=0, false_alarms=0,
+             products=0, corrupted=0, caught=0)
+    t0, seed0 = time.time(), seed
+    with abft.config(backend=backend):
+        while (time.time() - t0 < seconds) if cases is None else (seed - seed0 < cases):
+            case = draw_grouped(seed)
+            seed += 1
+            if case is None:
+                continue
+            a, b, offs, what = case
+            abft.reset()
+            a.requires_grad_(), b.requires_grad_()
+            y = abft.grouped_mm(a, b, offs)
+            if not torch.isfinite(y).all():
+                continue
+            (y.float() * torch.randn(y.shape, generator=torch.Generator().manual_seed(seed))).sum().backward()
+            found = abft.flush()
+            s["clean"] += 1
+            s["products"] += abft.stats().get("checked_calls", 0)
+            if found:
+                s["false_alarms"] += 1
+                print(json.dumps(dict(kind="false_alarm", seed=seed - 1, alarms=len(found),
+                                      phase=found[0].phase, group=found[0].labels.get("group"),
+                                      worst=max((abs(al.residual) / al.threshold for al in found if al.threshold),
+                                                 default=None), **what)), file=out, flush=True)
+            rnd = random.Random(seed - 1 + 10 ** 9)
+            value = rnd.choice((80.0, 1e4, -3.0)) * float(y.detach().abs().max().clamp_min(1))
+            fault = abft.inject(when=lambda c: c.phase == "forward", kind="add", value=value, row=0, col=0)
+            with fault:
+                abft.grouped_mm(a.detach(), b.detach(), offs)
+            if fault.hits:                    # (no group computed anything: nothing to corrupt)
+                s["corrupted"] += 1
+                s["caught"] += bool(abft.flush())
+    s["seeds"][1] = seed
+    print(json.dumps(dict(kind="summary", **s)), file=out, flush=True)
+    return s
+
+
 def run(family="structured", seconds=60.0, seed=0, cases=None, against=None, out=None):
     """Fuzz from ``seed`` for ``seconds`` (or ``cases`` cases), its lines to ``out`` (stdout);
     returns the summary (a dict)."""
@@ -260,6 +326,7 @@ def main(argv=None):
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--against", metavar="DIR", help="another commit's kernels/ to compare with")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--backend", default="reference", help="the grouped family's: reference | triton")
     results.add_arguments(p, "fuzzcheck")
     args = p.parse_args(argv)
     if args.family not in FAMILIES:
@@ -272,16 +339,20 @@ def main(argv=None):
         p.error(f"--threads: must be at least 1, got {args.threads}")
     if args.against is not None and not (pathlib.Path(args.against) / "reference.py").is_file():
         p.error(f"--against: no reference.py in {args.against}")
-    if args.family == "kernel":
-        if args.against is not None:
-            p.error("--against: compares reference checks; the kernel family has none")
+    if args.family in ("kernel", "grouped") and args.against is not None:
+        p.error(f"--against: compares reference checks; the {args.family} family has none")
+    if args.backend not in ("reference", "triton"):
+        p.error(f"--backend: reference or triton, got {args.backend!r}")
+    if args.family == "kernel" or args.family == "grouped" and args.backend == "triton":
         from abft.kernels import configs
         if not (configs.interpreting() or torch.cuda.is_available()):
-            p.error("--family: kernel needs TRITON_INTERPRET=1 or a GPU")
+            p.error(f"--family: {args.family} on the fused kernel needs TRITON_INTERPRET=1 or a GPU")
     torch.set_num_threads(args.threads)
     record = results.start(args, "fuzzcheck", argv)
     if args.family == "kernel":
         s = run_kernel(args.seconds, args.seed, args.cases)
+    elif args.family == "grouped":
+        s = run_grouped(args.seconds, args.seed, args.cases, args.backend)
     else:
         s = run(args.family, args.seconds, args.seed, args.cases, args.against)
     record.write(dict(s, threads=args.threads))

@@ -79,9 +79,30 @@ def test_fuzzcheck_kernel_family_runs_the_fused_kernel(capsys, monkeypatch):
     assert capsys.readouterr().out.count('"kind": "summary"') == 2
 
 
+@pytest.mark.parametrize("backend", ["reference", "triton"])
+def test_fuzzcheck_grouped_family_checks_grouped_products_through_the_api(backend, capsys):
+    """Seeds of every form of grouped product, forward and both gradients, through abft.grouped_mm:
+    no false alarm, the corrupted groups caught; with the threshold shrunk (lam 0.02) clean seeds
+    alarm: the count can fail."""
+    import abft
+    import fuzzcheck
+    from abft.kernels import configs
+    if backend == "triton" and not (configs.interpreting() or torch.cuda.is_available()):
+        pytest.skip("needs TRITON_INTERPRET=1 or a GPU")
+    cases = 20 if backend == "reference" else 4
+    s = fuzzcheck.run_grouped(cases=cases, seed=0, backend=backend)
+    assert s["seeds"] == [0, cases] and s["clean"] >= cases - 2 and s["false_alarms"] == 0
+    assert s["products"] > 3 * s["clean"] and 0 < s["corrupted"] == s["caught"]
+    if backend == "reference":
+        with abft.config(lam=0.02):
+            assert fuzzcheck.run_grouped(cases=10, seed=0)["false_alarms"] > 0
+    assert '"kind": "summary"' in capsys.readouterr().out
+
+
 @pytest.mark.parametrize("argv,field", [(["--family", "wild"], "--family"), (["--seconds", "0"], "--seconds"),
                                         (["--cases", "0"], "--cases"), (["--against", "/nonexistent"], "--against"),
-                                        (["--family", "kernel", "--against", "kernels"], "--against")])
+                                        (["--family", "kernel", "--against", "kernels"], "--against"),
+                                        (["--family", "grouped", "--backend", "cuda"], "--backend")])
 def test_fuzzcheck_refuses_bad_input_naming_the_field(argv, field, capsys):
     import fuzzcheck
     with pytest.raises(SystemExit) as e:
