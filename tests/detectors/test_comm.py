@@ -5,7 +5,6 @@ collective may use) for false alarms; the collectives themselves with a one-rank
 and with 2 gloo ranks spawned from pytest (DDP's hook, FSDP2's reduce-scatter, a corrupted
 bucket on one rank)."""
 import json
-import os
 
 import pytest
 import torch
@@ -16,7 +15,7 @@ from torch import nn
 import abft
 from abft.detectors.comm import CommCheck, block_sums, compare
 from abft.eval.replicas import free_port
-from ranks import exit_clean
+from ranks import run_rank
 
 
 def _flip(t, index, bit):
@@ -285,25 +284,14 @@ def _guarded(rank):
     return dict(equal=all(torch.equal(a, b) for a, b in zip(clean, params)), records=records)
 
 
-def _worker(rank, port, out, world):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        res = {"ddp": _ddp(rank), "fsdp": _fsdp(rank), "guard": _guarded(rank)}
-        with open(os.path.join(out, f"comm-{rank}.json"), "w") as f:
-            json.dump(res, f)
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
-    exit_clean()
+def _comm(rank):
+    return {"ddp": _ddp(rank), "fsdp": _fsdp(rank), "guard": _guarded(rank)}
 
 
 @pytest.fixture(scope="module")
 def two_ranks(tmp_path_factory):
     out = tmp_path_factory.mktemp("comm")
-    mp.spawn(_worker, args=(free_port(), str(out), 2), nprocs=2, join=True)
+    mp.spawn(run_rank, args=(2, free_port(), str(out / "comm-{rank}.json"), _comm), nprocs=2, join=True)
     return [json.load(open(out / f"comm-{r}.json")) for r in range(2)]
 
 
@@ -381,22 +369,8 @@ def _hsdp(rank):
                 differs=_differs(grads, reference))
 
 
-def _hsdp_worker(rank, port, out):
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE="4")
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=4)
-    try:
-        with open(os.path.join(out, f"hsdp-{rank}.json"), "w") as f:
-            json.dump(_hsdp(rank), f)
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
-    exit_clean()
-
-
 def test_hsdp_all_reduce_across_replicas_is_checked_and_locates_a_corrupted_element(tmp_path):
-    mp.spawn(_hsdp_worker, args=(free_port(), str(tmp_path)), nprocs=4, join=True)
+    mp.spawn(run_rank, args=(4, free_port(), str(tmp_path / "hsdp-{rank}.json"), _hsdp), nprocs=4, join=True)
     for rank in range(4):
         d = json.load(open(tmp_path / f"hsdp-{rank}.json"))
         assert d["equal"] and d["clean"] == [] and d["accumulated"] == [], d

@@ -5,6 +5,7 @@ compares: outputs, gradients and losses must equal the unprotected parallel mode
 every product must be checked on every rank, and a fault on one rank must alarm there only.
 """
 import contextlib
+import functools
 import json
 import os
 
@@ -15,7 +16,7 @@ from torch import nn
 
 import abft
 from abft.eval.replicas import free_port
-from ranks import exit_clean
+from ranks import run_rank
 from paths import ROOT  # noqa: E402
 
 
@@ -341,27 +342,17 @@ SCENARIOS = {"tp_mlp": _tp_mlp, "sp_block": _sp_block, "ops": _ops, "llama": _ll
              "fsdp_rest": _fsdp_rest, "fsdp_rest_skip": _fsdp_rest_skip}
 
 
-def _worker(rank, port, out, name, world):
-    import torch.distributed as dist
+def _scenario(name, world, rank):
+    """Scenario ``name`` on this rank, on a mesh of 2 (or 2 x 2: dp, tp) ranks."""
     from torch.distributed.device_mesh import init_device_mesh
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
-                      WORLD_SIZE=str(world))
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")) if world == 4 \
-            else init_device_mesh("cpu", (2,))
-        res = SCENARIOS[name](rank, mesh)
-        with open(os.path.join(out, f"{name}-{rank}.json"), "w") as f:
-            json.dump(res, f)
-    finally:
-        dist.barrier()
-        dist.destroy_process_group()
-    exit_clean()
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp")) if world == 4 \
+        else init_device_mesh("cpu", (2,))
+    return SCENARIOS[name](rank, mesh)
 
 
 def _spawn(tmp_path, name, world=2):
-    mp.spawn(_worker, args=(free_port(), str(tmp_path), name, world), nprocs=world, join=True)
+    mp.spawn(run_rank, args=(world, free_port(), str(tmp_path / f"{name}-{{rank}}.json"),
+                             functools.partial(_scenario, name, world)), nprocs=world, join=True)
     return [json.load(open(tmp_path / f"{name}-{r}.json")) for r in range(world)]
 
 
